@@ -1,0 +1,250 @@
+"""End-to-end: the offline LLM through the real scheduler, KV cache, runner and sampler on CPU,
+token-for-token against Hugging Face transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_reference import hf_greedy
+from transformers import AutoModelForCausalLM
+
+from v1_engine import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4,",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village nestled between two mountains, there lived an old "
+    "clockmaker who",
+    "Q: What is the boiling point of water in Celsius?\nA:",
+    "Hi",
+    "List three primary colors:",
+]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=512, num_kv_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(llm):
+    tok = llm.get_tokenizer()
+    return [tok.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_default_model, prompt_ids):
+    return [hf_greedy(hf_default_model, ids, MAX_TOKENS, exact=False) for ids in prompt_ids]
+
+
+def _free_blocks(llm: LLM) -> int:
+    return llm.engine_core.scheduler.kv_cache_manager.num_free_blocks
+
+
+def _greedy(**kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": MAX_TOKENS, **kw})
+
+
+def test_default_model_greedy_matches_hf(llm, prompt_ids, reference):
+    outputs = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    for out, ids in zip(outputs, prompt_ids):
+        assert out.prompt == PROMPTS[outputs.index(out)]
+        assert out.prompt_token_ids == ids
+        completion = out.outputs[0]
+        assert completion.finish_reason in ("stop", "length")
+        assert completion.text == llm.get_tokenizer().decode(
+            completion.token_ids, skip_special_tokens=True
+        )
+
+
+def test_token_id_prompts(llm, prompt_ids, reference):
+    outputs = llm.generate(prompt_ids, _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert outputs[0].prompt is None
+
+
+def test_chunked_prefill_same_tokens(prompt_ids, reference):
+    llm = LLM(max_model_len=512, num_kv_blocks=256, max_num_batched_tokens=8)
+    outputs = llm.generate(prompt_ids, _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert _free_blocks(llm) == llm.engine_core.num_kv_blocks
+
+
+def test_preemption_same_tokens(prompt_ids, reference):
+    # 8 prompts need ~20 blocks of 4 tokens each at the end; 24 blocks force recompute.
+    llm = LLM(max_model_len=128, num_kv_blocks=24, block_size=4, enable_prefix_caching=False)
+    scheduler = llm.engine_core.scheduler
+    preempted = 0
+    original = scheduler.make_stats
+
+    def counting_stats():
+        nonlocal preempted
+        stats = original()
+        preempted += stats.num_preempted_reqs
+        return stats
+
+    scheduler.make_stats = counting_stats
+    outputs = llm.generate(prompt_ids, _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert preempted > 0
+    assert _free_blocks(llm) == llm.engine_core.num_kv_blocks
+
+
+def test_prefix_cache_hits_shared_system_prompt(llm):
+    system = (
+        "You are a meticulous assistant. Answer briefly, cite no sources, and never use more "
+        "than one sentence. Always be polite and precise. "
+    ) * 3
+    questions = ["What is 2+2?", "Name a fruit.", "What color is the sky?", "Say hi."]
+    prompts = [system + q for q in questions]
+    first = llm.generate(prompts[:1], _greedy(), use_tqdm=False)
+    rest = llm.generate(prompts[1:], _greedy(), use_tqdm=False)
+    assert first[0].num_cached_tokens == 0 or first[0].num_cached_tokens < 16
+    system_len = len(llm.get_tokenizer().encode(system))
+    block = llm.config.cache_config.block_size
+    for out in rest:
+        assert out.num_cached_tokens >= (system_len // block - 1) * block
+    # Cached or not, the tokens are the same as a cold run's.
+    cold = LLM(max_model_len=512, num_kv_blocks=256, enable_prefix_caching=False)
+    expected = cold.generate(prompts, _greedy(), use_tqdm=False)
+    got = first + rest
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    stats = llm.engine_core.scheduler.kv_cache_manager
+    assert _free_blocks(llm) == llm.engine_core.num_kv_blocks
+    del stats
+
+
+def test_prefix_cache_hit_rate_reported(llm):
+    manager = llm.engine_core.scheduler.kv_cache_manager
+    manager.make_prefix_cache_stats()  # reset the window
+    prefix = "Shared context: " + "alpha beta gamma delta " * 12
+    llm.generate([prefix + "one"], _greedy(max_tokens=2), use_tqdm=False)
+    llm.generate([prefix + "two", prefix + "three"], _greedy(max_tokens=2), use_tqdm=False)
+    queries, hits = _stats_tuple(manager.make_prefix_cache_stats())
+    assert queries > 0
+    assert hits / queries > 0.5
+
+
+def _stats_tuple(stats) -> tuple[int, int]:
+    if isinstance(stats, tuple):
+        return stats
+    return stats.queries, stats.hits
+
+
+@pytest.mark.parametrize("exact", [True])
+def test_tiny_models_greedy_match_hf(tiny_model_dir, exact):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    llm = LLM(model=str(tiny_model_dir), max_model_len=256, num_kv_blocks=128)
+    generator = torch.Generator().manual_seed(7)
+    prompts = [
+        torch.randint(3, hf.config.vocab_size, (n,), generator=generator).tolist()
+        for n in (1, 5, 17, 33, 64, 9)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    expected = [hf_greedy(hf, p, 12, exact=True) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_seeded_sampling_reproducible(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16)
+    a = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    b = llm.generate(PROMPTS[::-1], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b][::-1][:3]
+    c = llm.generate(
+        PROMPTS[:3], SamplingParams(temperature=1.0, seed=99, max_tokens=16), use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in a] != [o.outputs[0].token_ids for o in c]
+
+
+def test_n_completions_and_logprobs(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, logprobs=4)
+    (out,) = llm.generate("Tell me a joke.", params, use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for completion in out.outputs:
+        assert len(completion.logprobs) == len(completion.token_ids)
+        for token_id, entry in zip(completion.token_ids, completion.logprobs):
+            assert token_id in entry
+            assert 4 <= len(entry) <= 5
+            assert all(lp.logprob <= 0.0 for lp in entry.values())
+        assert completion.cumulative_logprob == pytest.approx(
+            sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs)), rel=1e-5
+        )
+
+
+def test_prompt_logprobs(llm, hf_default_model):
+    ids = llm.get_tokenizer().encode("The quick brown fox jumps")
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    (out,) = llm.generate([ids], params, use_tqdm=False)
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(ids)
+    with torch.no_grad():
+        logits = hf_default_model(torch.tensor([ids])).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)
+    for pos in range(1, len(ids)):
+        entry = out.prompt_logprobs[pos]
+        assert entry[ids[pos]].logprob == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=1e-3)
+
+
+def test_stop_strings_and_token_ids(llm):
+    params = _greedy(max_tokens=40)
+    (free,) = llm.generate(["1, 2, 3, 4,"], params, use_tqdm=False)
+    text = free.outputs[0].text
+    stop = text.strip()[3:6] if len(text.strip()) > 6 else text.strip()[:2]
+    (stopped,) = llm.generate(["1, 2, 3, 4,"], _greedy(max_tokens=40, stop=[stop]), use_tqdm=False)
+    assert stopped.outputs[0].finish_reason == "stop"
+    assert stopped.outputs[0].stop_reason == stop
+    assert stop not in stopped.outputs[0].text
+    assert text.startswith(stopped.outputs[0].text)
+    first_token = free.outputs[0].token_ids[2]
+    (by_id,) = llm.generate(
+        ["1, 2, 3, 4,"], _greedy(max_tokens=40, stop_token_ids=[first_token]), use_tqdm=False
+    )
+    assert by_id.outputs[0].token_ids == free.outputs[0].token_ids[:3]
+    assert by_id.outputs[0].stop_reason == first_token
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+    ],
+)
+def test_bad_sampling_params_rejected_alone(llm, kwargs, field):
+    before = _free_blocks(llm)
+    with pytest.raises(ValueError, match=field):
+        llm.generate(["Hello", "World"], [_greedy(), SamplingParams(**kwargs)], use_tqdm=False)
+    assert not llm.engine_core.has_unfinished_requests()
+    assert _free_blocks(llm) == before
+    (ok,) = llm.generate(["Hello"], _greedy(max_tokens=3), use_tqdm=False)
+    assert len(ok.outputs[0].token_ids) == 3
+
+
+def test_bad_prompts_rejected(llm):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(["fine", ""], _greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[5] * 600], _greedy(), use_tqdm=False)
+    assert not llm.engine_core.has_unfinished_requests()
+
+
+def test_unknown_model_path():
+    with pytest.raises(ValueError, match="model"):
+        LLM(model="/nonexistent/model/dir")
+
+
+def test_chat_uses_template(llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    (out,) = llm.chat(messages, _greedy(max_tokens=16), use_tqdm=False)
+    expected_prompt = llm.get_tokenizer().apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert out.prompt == expected_prompt
+    assert "Paris" in out.outputs[0].text

@@ -1,0 +1,223 @@
+"""Completions and chat through the official openai client against a real v1serve process."""
+
+from __future__ import annotations
+
+import httpx
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+GREEDY_FIXED = {"temperature": 0.0}
+NO_EOS = {"ignore_eos": True}
+
+
+def count_tokens(server, auth_headers, **body) -> int:
+    response = httpx.post(f"{server.url}/tokenize", json=body, headers=auth_headers, timeout=10)
+    assert response.status_code == 200, response.text
+    return response.json()["count"]
+
+
+def test_models_version_health(server, client, model_name):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model_name]
+    assert model_name == "SmolLM2-135M-Instruct"
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    schema = httpx.get(f"{server.url}/openapi.json").json()
+    assert "/v1/chat/completions" in schema["paths"] and "/tokenize" in schema["paths"]
+
+
+def test_completion_usage_counts(server, client, model_name, auth_headers):
+    result = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=8, extra_body=NO_EOS, **GREEDY_FIXED
+    )
+    choice = result.choices[0]
+    assert choice.finish_reason == "length"
+    assert result.usage.completion_tokens == 8
+    assert result.usage.prompt_tokens == count_tokens(server, auth_headers, prompt=PROMPT)
+    assert result.usage.total_tokens == result.usage.prompt_tokens + 8
+    assert choice.text.strip()
+
+
+def test_completion_stream_matches_non_stream(client, model_name):
+    kwargs = dict(model=model_name, prompt=PROMPT, max_tokens=12, **GREEDY_FIXED)
+    full = client.completions.create(**kwargs)
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_chat_non_stream_and_stream_agree(server, client, model_name, auth_headers):
+    kwargs = dict(model=model_name, messages=CHAT, max_completion_tokens=16, **GREEDY_FIXED)
+    full = client.chat.completions.create(**kwargs)
+    message = full.choices[0].message
+    assert message.role == "assistant" and message.content
+    prompt_tokens = count_tokens(server, auth_headers, messages=CHAT)
+    assert full.usage.prompt_tokens == prompt_tokens
+    stream = client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == prompt_tokens
+
+
+def test_max_tokens_alias_in_chat(client, model_name):
+    result = client.chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=5, extra_body=NO_EOS, **GREEDY_FIXED
+    )
+    assert result.usage.completion_tokens == 5
+    assert result.choices[0].finish_reason == "length"
+
+
+def test_stop_string_cuts_output(client, model_name):
+    base = (
+        client.completions.create(
+            model=model_name, prompt=PROMPT, max_tokens=16, extra_body=NO_EOS, **GREEDY_FIXED
+        )
+        .choices[0]
+        .text
+    )
+    words = base.split()
+    assert len(words) >= 3, base
+    stop = words[2]
+    cut = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=16, stop=[stop], **GREEDY_FIXED
+    ).choices[0]
+    assert cut.finish_reason == "stop"
+    assert stop not in cut.text
+    assert base.startswith(cut.text)
+    assert cut.text == base[: base.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible(client, model_name):
+    def sample(seed: int) -> str:
+        return (
+            client.completions.create(
+                model=model_name,
+                prompt="Once upon a time",
+                max_tokens=8,
+                temperature=1.0,
+                seed=seed,
+                extra_body=NO_EOS,
+            )
+            .choices[0]
+            .text
+        )
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert len({first, sample(1), sample(2)}) > 1
+
+
+def test_n_choices_and_usage(client, model_name):
+    result = client.completions.create(
+        model=model_name,
+        prompt=PROMPT,
+        max_tokens=6,
+        n=3,
+        temperature=1.0,
+        seed=7,
+        extra_body=NO_EOS,
+    )
+    assert sorted(c.index for c in result.choices) == [0, 1, 2]
+    assert result.usage.completion_tokens == 18
+    chat = client.chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=4, n=2, temperature=1.0, extra_body=NO_EOS
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.usage.completion_tokens == 8
+
+
+def test_completion_logprobs_shape(client, model_name):
+    result = client.completions.create(
+        model=model_name,
+        prompt=PROMPT,
+        max_tokens=6,
+        logprobs=3,
+        extra_body=NO_EOS,
+        **GREEDY_FIXED,
+    )
+    lp = result.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == result.choices[0].text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0.0
+        assert 1 <= len(top) <= 4
+        assert max(top.values()) == logprob  # greedy picks the most likely token
+        assert top[token] == logprob
+
+
+def test_echo_with_logprobs_includes_prompt(client, model_name):
+    result = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=3, echo=True, logprobs=1, **GREEDY_FIXED
+    )
+    choice = result.choices[0]
+    assert choice.text.startswith(PROMPT)
+    lp = choice.logprobs
+    num_prompt = result.usage.prompt_tokens
+    assert len(lp.tokens) == num_prompt + result.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+
+
+def test_chat_logprobs_shape(client, model_name):
+    result = client.chat.completions.create(
+        model=model_name,
+        messages=CHAT,
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY_FIXED,
+    )
+    content = result.choices[0].logprobs.content
+    assert len(content) == result.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.token == entry.top_logprobs[0].token
+        assert entry.logprob == entry.top_logprobs[0].logprob
+
+
+def test_sampling_extras_are_accepted(client, model_name):
+    result = client.completions.create(
+        model=model_name,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0.8,
+        top_p=0.9,
+        seed=3,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 8},
+    )
+    assert result.usage.completion_tokens == 8
+
+
+def test_request_id_header_is_used(server, auth_headers):
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    headers = {**auth_headers, "X-Request-Id": "my-request-42"}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert response.status_code == 200
+    assert response.headers["x-request-id"] == "my-request-42"
+    assert response.json()["id"] == "cmpl-my-request-42"
+
+
+def test_tokenize_detokenize_roundtrip(server, auth_headers):
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    assert tokens["max_model_len"] == 2048
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert text["prompt"] == "Hello world"

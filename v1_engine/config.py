@@ -1,0 +1,212 @@
+"""EngineConfig: one object made of small dataclasses, each field documented where declared.
+
+Built from keyword arguments (`LLM(...)`, `AsyncEngine(...)`) or CLI flags. Values that depend
+on the model (context length, dtype, KV sizing) are resolved once, by `resolve_model_facts`, when
+the model's Hugging Face config is known. `EngineConfig.compute_hash()` keys the compile cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMAT_CHOICES = ("auto", "dummy", "gguf", "safetensors")
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None
+    """HF directory, GGUF file or None for the embedded default model (SmolLM2-135M-Instruct)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to the model's."""
+    dtype: str = "auto"
+    """Weight/activation dtype: auto picks float32 on CPU and bfloat16 on CUDA."""
+    max_model_len: int | None = None
+    """Context length (prompt + output); None takes the model's max_position_embeddings."""
+    seed: int = 0
+    """Seed of the global RNG (dummy weights, unseeded sampling)."""
+    load_format: str = "auto"
+    """auto (HF dir or GGUF by path), dummy (random weights of the real config), gguf, safetensors."""
+    max_logprobs: int = 20
+    """Largest `logprobs` / `prompt_logprobs` a request may ask for."""
+    served_model_name: str | None = None
+    """Name clients use for the model; defaults to the model path's basename."""
+
+    def verify(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMAT_CHOICES:
+            raise ValueError(
+                f"load_format must be one of {LOAD_FORMAT_CHOICES}, got {self.load_format!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    num_kv_blocks: int | None = None
+    """Blocks in the KV pool; None sizes the pool from memory (gpu_memory_utilization on CUDA,
+    cpu_kv_cache_bytes on CPU)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks across requests that share a prompt prefix."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of device memory the engine may use (weights + activations + KV cache)."""
+    cpu_kv_cache_bytes: int = 1 << 30
+    """KV-cache budget on CPU when num_kv_blocks is None."""
+    kv_cache_dtype: str = "auto"
+    """KV-cache dtype; auto follows the model dtype."""
+
+    def verify(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype must be one of ('auto',), got {self.kv_cache_dtype!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step; None picks max(2048, max_model_len) (no chunking of one prompt)
+    capped at 8192, so long prompts are chunked."""
+    max_num_seqs: int | None = None
+    """Most requests running at once; None picks 256."""
+    enable_chunked_prefill: bool = True
+    """Split prompts longer than the remaining budget across steps."""
+    async_scheduling: bool | None = None
+    """Schedule step N+1 while step N runs; None turns it on where supported."""
+
+    def verify(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Only 1 is supported for now."""
+
+    def verify(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size must be 1, got {self.tensor_parallel_size}"
+            )
+
+
+@dataclass
+class CompilationConfig:
+    enforce_eager: bool = False
+    """Run the model eagerly: no torch.compile, no CUDA graphs."""
+
+    def verify(self) -> None:
+        pass
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str | None = None
+    """Speculative decoding method; None disables it."""
+    num_speculative_tokens: int = 0
+
+    def verify(self) -> None:
+        if self.method is not None:
+            raise ValueError(f"speculative method must be None for now, got {self.method!r}")
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    device: str = "auto"
+    """auto picks cuda when available, else cpu."""
+
+    _SECTIONS = (
+        "model_config",
+        "cache_config",
+        "scheduler_config",
+        "parallel_config",
+        "compilation_config",
+        "speculative_config",
+    )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Route flat keyword arguments (vLLM's names) to their section; unknown names raise."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in cls._SECTIONS}
+        owners = {
+            f.name: section
+            for section in cls._SECTIONS
+            for f in dataclasses.fields(cls.__dataclass_fields__[section].default_factory())
+        }
+        device = kwargs.pop("device", "auto")
+        for key, value in kwargs.items():
+            if key not in owners:
+                allowed = ", ".join(sorted(owners) + ["device"])
+                raise ValueError(f"unknown engine argument {key!r}; allowed: {allowed}")
+            sections[owners[key]][key] = value
+        config = cls(
+            model_config=ModelConfig(**sections["model_config"]),
+            cache_config=CacheConfig(**sections["cache_config"]),
+            scheduler_config=SchedulerConfig(**sections["scheduler_config"]),
+            parallel_config=ParallelConfig(**sections["parallel_config"]),
+            compilation_config=CompilationConfig(**sections["compilation_config"]),
+            speculative_config=SpeculativeConfig(**sections["speculative_config"]),
+            device=device,
+        )
+        config.verify()
+        return config
+
+    def verify(self) -> None:
+        for name in self._SECTIONS:
+            getattr(self, name).verify()
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be one of ('auto', 'cpu', 'cuda'), got {self.device!r}")
+
+    def resolve_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolve_model_facts(self, max_position_embeddings: int) -> None:
+        """Fill in the values that depend on the model, once its config is known."""
+        mc, sc = self.model_config, self.scheduler_config
+        if mc.max_model_len is None:
+            mc.max_model_len = max_position_embeddings
+        elif mc.max_model_len > max_position_embeddings:
+            raise ValueError(
+                f"max_model_len must be <= the model's max_position_embeddings "
+                f"({max_position_embeddings}), got {mc.max_model_len}"
+            )
+        if sc.max_num_seqs is None:
+            sc.max_num_seqs = 256
+        if sc.max_num_batched_tokens is None:
+            sc.max_num_batched_tokens = min(max(2048, mc.max_model_len), 8192)
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < mc.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= max_model_len ({mc.max_model_len}) "
+                f"when chunked prefill is disabled, got {sc.max_num_batched_tokens}"
+            )
+
+    def compute_hash(self) -> str:
+        payload = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]

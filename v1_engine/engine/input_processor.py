@@ -1,0 +1,119 @@
+"""InputProcessor: prompt → EngineCoreRequest, in the front-end process.
+
+Tokenizes, applies the chat template, and validates everything a user can get wrong, so the
+engine core only ever sees well-formed requests. Errors name the field and the allowed values.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Union
+
+import msgspec
+
+from v1_engine.config import EngineConfig
+from v1_engine.protocol import EngineCoreRequest
+from v1_engine.sampling_params import SamplingParams
+
+PromptType = Union[str, Sequence[int]]
+ChatMessages = list[dict[str, Any]]
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = config.model_config.max_model_len
+        self.max_logprobs = config.model_config.max_logprobs
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("prompt must be a non-empty str or a list of token ids (int)")
+
+    def render_chat(self, messages: ChatMessages, add_generation_prompt: bool = True) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message:
+                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model has no chat template; use generate() with a prompt")
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def chat_token_ids(self, messages: ChatMessages) -> tuple[str, list[int]]:
+        text = self.render_chat(messages)
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def process(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> EngineCoreRequest:
+        self.validate(prompt_token_ids, params)
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+        )
+
+    def process_fan_out(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> list[EngineCoreRequest]:
+        """One core request when n == 1; otherwise n children `{request_id}_{index}`.
+
+        Everything is validated before anything is built, so a bad request adds nothing.
+        """
+        self.validate(prompt_token_ids, params)
+        if params.n == 1:
+            return [self.process(request_id, prompt_token_ids, params, arrival_time)]
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        return [
+            self.process(
+                f"{request_id}_{index}", prompt_token_ids, child_params(params, index), arrival_time
+            )
+            for index in range(params.n)
+        ]
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
+        params.verify(self.max_logprobs)
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty (it has 0 tokens)")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens long; it must be shorter than "
+                f"max_model_len ({self.max_model_len}) to leave room for output"
+            )
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}"
+            )
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Children of an n > 1 request sample independently; a seed stays reproducible per child."""
+    seed = None if params.seed is None else params.seed + index
+    return msgspec.structs.replace(params, n=1, seed=seed)

@@ -1,0 +1,165 @@
+"""LLM: the offline API, `llm.generate(prompts, sampling_params)`, with an in-process core."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from v1_engine.config import EngineConfig
+from v1_engine.engine.core import EngineCore
+from v1_engine.engine.input_processor import ChatMessages, InputProcessor, PromptType
+from v1_engine.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
+from v1_engine.engine.prepare import prepare_engine_config
+from v1_engine.models.loader import get_tokenizer
+from v1_engine.outputs import RequestOutput
+from v1_engine.protocol import EngineCoreRequest
+from v1_engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """Generate text for batches of prompts, offline.
+
+    `model=None` loads the embedded default model (SmolLM2-135M-Instruct). Keyword arguments
+    use vLLM's names and are routed to the EngineConfig sections (see config.py).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        load_format: str = "auto",
+        **kwargs: Any,
+    ) -> None:
+        self.config = EngineConfig.from_kwargs(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            load_format=load_format,
+            **kwargs,
+        )
+        hf_config = prepare_engine_config(self.config)
+        self.tokenizer = get_tokenizer(self.config.model_config.tokenizer)
+        self.input_processor = InputProcessor(self.config, self.tokenizer, hf_config.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(self.config)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Prompts are a str, a list of str, or a list of token-id lists; outputs keep order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        tokenized = []
+        for i, prompt in enumerate(prompts):
+            try:
+                tokenized.append(self.input_processor.tokenize(prompt))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        return self._run(tokenized, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {'role', 'content'}) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenized = []
+        for i, conversation in enumerate(conversations):
+            try:
+                tokenized.append(self.input_processor.chat_token_ids(conversation))
+            except ValueError as e:
+                raise ValueError(f"messages[{i}]: {e}") from None
+        return self._run(tokenized, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        tokenized: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        params_list = self._params_per_prompt(sampling_params, len(tokenized))
+        # Validate everything before adding anything: a bad prompt leaves the engine untouched.
+        requests = []
+        for i, ((prompt, token_ids), params) in enumerate(zip(tokenized, params_list)):
+            request_id = str(next(self._request_counter))
+            try:
+                requests.append((prompt, self._core_requests(request_id, token_ids, params)))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        order = {}
+        for i, (prompt, (parent, core_requests)) in enumerate(requests):
+            order[parent.request_id if parent else core_requests[0].request_id] = i
+            for index, core_request in enumerate(core_requests):
+                self.output_processor.add_request(
+                    core_request, prompt, OutputKind.FINAL_ONLY, parent, index
+                )
+                self.engine_core.add_request(core_request)
+        return self._run_engine(order, use_tqdm)
+
+    def _core_requests(
+        self, request_id: str, token_ids: list[int], params: SamplingParams
+    ) -> tuple[ParentRequest | None, list[EngineCoreRequest]]:
+        core_requests = self.input_processor.process_fan_out(request_id, token_ids, params)
+        parent = ParentRequest(request_id, params.n) if params.n > 1 else None
+        return parent, core_requests
+
+    def _run_engine(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, unit="req")
+        with bar:
+            while self.engine_core.has_unfinished_requests():
+                processed = self.output_processor.process_outputs(self.engine_core.step())
+                if processed.reqs_to_abort:
+                    self.engine_core.abort_requests(processed.reqs_to_abort)
+                for output in processed.request_outputs:
+                    if output.finished:
+                        results[order[output.request_id]] = output
+                        bar.update(1)
+        assert all(r is not None for r in results), "engine stopped with requests unfinished"
+        return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _params_per_prompt(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        if len(sampling_params) != num_prompts:
+            raise ValueError(
+                f"sampling_params must be one SamplingParams or one per prompt "
+                f"({num_prompts}), got {len(sampling_params)}"
+            )
+        return list(sampling_params)

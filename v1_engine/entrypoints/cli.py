@@ -1,0 +1,193 @@
+"""v1serve: the command line. `v1serve [flags]` starts the OpenAI-compatible server;
+`v1serve chat-demo [flags]` runs the terminal chat demo on the offline engine.
+
+Flag names are vLLM's where vLLM has the flag, so existing launch scripts carry over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from v1_engine.config import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
+
+API_KEY_ENV = "V1ENGINE_API_KEY"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+_EPILOG = """\
+subcommands:
+  v1serve chat-demo [--model PATH] [--prompt TEXT]...   chat with the model in the terminal
+
+examples:
+  v1serve                                   # default model on http://127.0.0.1:8000
+  v1serve --model ./Llama-3.2-1B --port 9000 --api-key secret
+  v1serve --host 0.0.0.0                    # listen on every interface (explicit choice)
+"""
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="v1serve",
+        description="Serve a model over an OpenAI-compatible HTTP API (v1engine).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_server_flags(parser)
+    _add_engine_flags(parser)
+    return parser
+
+
+def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: 127.0.0.1, loopback only; 0.0.0.0 exposes the server)",
+    )
+    group.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set, "
+        "else no key)",
+    )
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name clients send and see in /v1/models (default: the model file's name)",
+    )
+    group.add_argument(
+        "--log-level", default="info", choices=LOG_LEVELS, help="logging level (default: info)"
+    )
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model directory or GGUF file (default: the embedded "
+        "SmolLM2-135M-Instruct)",
+    )
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length, prompt + output (default: the model's max_position_embeddings)",
+    )
+    group.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="most requests running at once (default: 256)",
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one engine step; longer prompts are chunked "
+        "(default: max(2048, max-model-len) capped at 8192)",
+    )
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="fraction of GPU memory for weights, activations and KV cache (default: 0.9)",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto",),
+        help="KV-cache dtype; auto follows the model dtype (default: auto)",
+    )
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="weight/activation dtype; auto is float32 on CPU, bfloat16 on CUDA (default: auto)",
+    )
+    group.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of shared prompt prefixes (default: on)",
+    )
+    group.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run the model eagerly: no torch.compile, no CUDA graphs",
+    )
+    group.add_argument(
+        "--seed", type=int, default=0, help="seed of the engine's global RNG (default: 0)"
+    )
+    group.add_argument(
+        "--load-format",
+        default="auto",
+        choices=LOAD_FORMAT_CHOICES,
+        help="auto (by path), dummy (random weights of the real config), gguf, safetensors",
+    )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The AsyncEngine keyword arguments of the parsed flags; unset ones keep engine defaults."""
+    kwargs: dict[str, Any] = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "enforce_eager": args.enforce_eager,
+        "seed": args.seed,
+        "load_format": args.load_format,
+        "served_model_name": served_model_name(args),
+    }
+    optional = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization")
+    kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
+    return kwargs
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """Known before the engine starts, so the metrics can carry it as a label."""
+    if args.served_model_name:
+        return args.served_model_name
+    from v1_engine.engine.prepare import _default_served_name
+
+    return _default_served_name(args.model, None)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Start the engine and the server; return the exit code (1 if the engine core died)."""
+    import uvloop
+
+    from v1_engine.entrypoints.api_server import serve
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    kwargs = engine_kwargs(args)
+
+    def make_engine(stat_loggers: list[Any]) -> Any:
+        from v1_engine.engine.async_engine import AsyncEngine
+
+        return AsyncEngine(stat_loggers=stat_loggers, **kwargs)
+
+    return uvloop.run(
+        serve(
+            make_engine, kwargs["served_model_name"], args.host, args.port, api_key, args.log_level
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if argv and argv[0] == "chat-demo":
+        from v1_engine.entrypoints import demo
+
+        demo.main(argv[1:])
+        return
+    if argv and argv[0] == "serve":
+        argv = argv[1:]
+    args = make_parser().parse_args(argv)
+    logging.getLogger().setLevel(args.log_level.upper())
+    sys.exit(run_server(args))

@@ -1,0 +1,196 @@
+"""POST /v1/chat/completions: the conversation rendered by the model's chat template, n choices,
+streamed as `chat.completion.chunk` events or returned whole."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from v1_engine.entrypoints.errors import APIError, sse_error
+from v1_engine.entrypoints.logprobs_format import chat_logprobs
+from v1_engine.entrypoints.protocol_openai import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    PromptTokensDetails,
+    UsageInfo,
+)
+from v1_engine.entrypoints.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    run_unless_disconnected,
+    sse,
+)
+from v1_engine.outputs import CompletionOutput, RequestOutput
+from v1_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ChatChoiceState:
+    text: str = ""
+    logprobs: list[ChatTokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class ChatUsage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def observe(self, output: RequestOutput) -> None:
+        self.prompt_tokens = len(output.prompt_token_ids)
+        self.cached_tokens = output.num_cached_tokens
+        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+
+    def usage(self) -> UsageInfo:
+        return UsageInfo(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create(self, body: ChatCompletionRequest, request: Request, request_id: str):
+        self.check_model(body.model)
+        token_ids, params = self._prepare(body)
+        response_id = f"chatcmpl-{request_id}"
+        if body.stream:
+            return StreamingResponse(
+                self._stream(body, token_ids, params, request_id, response_id),
+                media_type="text/event-stream",
+            )
+        result = await run_unless_disconnected(
+            request, lambda: self._full(body, token_ids, params, request_id, response_id)
+        )
+        return JSONResponse(result.model_dump())
+
+    def _prepare(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        messages = [m.flat() for m in body.messages]
+        token_ids = self.render_chat(messages, body.add_generation_prompt)
+        field_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        max_tokens = self.resolve_max_tokens(
+            len(token_ids), body.requested_max_tokens(), field_name
+        )
+        params = body.to_sampling_params(max_tokens)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        self.validate(token_ids, params)
+        return token_ids, params
+
+    def _fold(
+        self, body: ChatCompletionRequest, state: ChatChoiceState, completion: CompletionOutput
+    ) -> list[ChatTokenLogprob] | None:
+        state.text += completion.text
+        new_logprobs = None
+        if body.logprobs and completion.logprobs:
+            new_logprobs = chat_logprobs(
+                completion.token_ids, completion.logprobs, body.top_logprobs or 0, self.tokenizer
+            )
+            state.logprobs.extend(new_logprobs)
+        if completion.finish_reason is not None:
+            state.finish_reason = completion.finish_reason
+            state.stop_reason = completion.stop_reason
+        return new_logprobs
+
+    async def _full(
+        self,
+        body: ChatCompletionRequest,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        response_id: str,
+    ) -> ChatCompletionResponse:
+        states = [ChatChoiceState() for _ in range(body.n)]
+        usage = ChatUsage()
+        async for output in self.stream_outputs(token_ids, params, request_id):
+            usage.observe(output)
+            for completion in output.outputs:
+                self._fold(body, states[completion.index], completion)
+        choices = [
+            ChatChoice(
+                index=i,
+                message=ChatResponseMessage(content=s.text),
+                logprobs=ChatChoiceLogprobs(content=s.logprobs) if body.logprobs else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for i, s in enumerate(states)
+        ]
+        return ChatCompletionResponse(
+            id=response_id, model=self.served_model_name, choices=choices, usage=usage.usage()
+        )
+
+    async def _stream(
+        self,
+        body: ChatCompletionRequest,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        response_id: str,
+    ) -> AsyncIterator[str]:
+        states = [ChatChoiceState() for _ in range(body.n)]
+        usage = ChatUsage()
+        options = body.stream_options
+        continuous = bool(options and options.continuous_usage_stats)
+
+        def chunk(choice: ChatStreamChoice) -> str:
+            return sse(
+                ChatCompletionChunk(
+                    id=response_id,
+                    model=self.served_model_name,
+                    choices=[choice],
+                    usage=usage.usage() if continuous else None,
+                )
+            )
+
+        try:
+            for i in range(body.n):
+                yield chunk(
+                    ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                )
+            async for output in self.stream_outputs(token_ids, params, request_id):
+                usage.observe(output)
+                for completion in output.outputs:
+                    new_logprobs = self._fold(body, states[completion.index], completion)
+                    if (
+                        not completion.text
+                        and completion.finish_reason is None
+                        and not new_logprobs
+                    ):
+                        continue
+                    yield chunk(
+                        ChatStreamChoice(
+                            index=completion.index,
+                            delta=DeltaMessage(content=completion.text),
+                            logprobs=ChatChoiceLogprobs(content=new_logprobs)
+                            if body.logprobs
+                            else None,
+                            finish_reason=completion.finish_reason,
+                            stop_reason=completion.stop_reason,
+                        )
+                    )
+            if options and options.include_usage:
+                yield sse(
+                    ChatCompletionChunk(
+                        id=response_id,
+                        model=self.served_model_name,
+                        choices=[],
+                        usage=usage.usage(),
+                    )
+                )
+        except APIError as e:
+            yield sse_error(e)
+        yield SSE_DONE

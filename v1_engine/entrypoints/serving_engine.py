@@ -1,0 +1,238 @@
+"""What completions and chat share: model-name checks, prompt length checks, running one
+engine request with disconnect handling, and mapping engine errors to HTTP errors.
+
+The engine streams DELTA RequestOutputs; `stream_outputs` wraps one `engine.generate` call so
+that, whatever makes the consumer stop (client disconnect, cancellation, an error), the request
+is aborted in the engine and its KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+from jinja2 import TemplateError
+
+from v1_engine.engine.exceptions import EngineDeadError
+from v1_engine.entrypoints.errors import APIError, from_value_error
+from v1_engine.outputs import RequestOutput
+from v1_engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+SAMPLING_FIELDS = {
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "max_tokens",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+    "logprobs",
+    "prompt_logprobs",
+    "top_logprobs",
+    "prompt",
+    "messages",
+    "request_id",
+}
+
+
+class OpenAIServing:
+    """Per-server state every endpoint needs: the engine, its tokenizer and the model name."""
+
+    def __init__(self, engine: Any, served_model_name: str, max_model_len: int) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = engine.get_tokenizer()
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(
+                f"The model `{model}` does not exist; this server serves "
+                f"`{self.served_model_name}`",
+                HTTPStatus.NOT_FOUND,
+                param="model",
+                code="model_not_found",
+            )
+
+    def tokenize_prompt(
+        self, prompt: str | list[int], add_special_tokens: bool = True
+    ) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError("prompt must not be empty", param="prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if not prompt:
+            raise APIError("prompt must not be an empty list of token ids", param="prompt")
+        return list(prompt)
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        vocab = len(self.tokenizer)
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(
+                f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", param="prompt"
+            )
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise APIError("this model has no chat template; use /v1/completions", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except (TemplateError, ValueError, TypeError, KeyError) as e:
+            raise APIError(
+                f"messages could not be rendered by the chat template: {e}", param="messages"
+            ) from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None, field: str) -> int:
+        """Fit the output into the context; a request that cannot fit is the client's error."""
+        room = self.max_model_len - num_prompt_tokens
+        if room <= 0:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {num_prompt_tokens} tokens, which leaves no room for output",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if requested is None:
+            return room
+        if requested > room:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens; you "
+                f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+                f"prompt, {requested} for the completion). Reduce the prompt or {field}.",
+                param=field,
+                code="context_length_exceeded",
+            )
+        return requested
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Run the engine's own request checks now, so a bad request is a 400 even when it
+        asked for a stream (once a stream has started, errors can only be SSE events)."""
+        try:
+            input_processor = getattr(self.engine, "input_processor", None)
+            if input_processor is not None:
+                input_processor.validate(token_ids, params)
+            else:
+                params.verify()
+        except ValueError as e:
+            raise from_value_error(e, SAMPLING_FIELDS) from None
+
+    async def stream_outputs(
+        self, prompt: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the engine's delta outputs; abort the request if we stop before it finishes."""
+        finished = False
+        generator = self.engine.generate(prompt, params, request_id)
+        try:
+            async for output in generator:
+                finished = output.finished
+                yield output
+        except ValueError as e:
+            finished = True
+            raise from_value_error(e, SAMPLING_FIELDS) from None
+        except EngineDeadError:
+            finished = True
+            raise engine_dead_error() from None
+        finally:
+            # Shielded: under a cancelled anyio scope (client disconnect) any bare await would
+            # be cancelled again before the engine hears about the abort.
+            # abort() first: it reports the request as finished ("abort") to the stat loggers.
+            with anyio.CancelScope(shield=True):
+                if not finished:
+                    await self.engine.abort(request_id)
+                await generator.aclose()
+
+
+def engine_dead_error() -> APIError:
+    return APIError(
+        "the engine core has died; the server is shutting down",
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        code="engine_dead",
+    )
+
+
+async def merge_streams(
+    streams: list[AsyncIterator[T]],
+) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as items arrive, tagging each with its stream index."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def drain(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((index, item))
+        finally:
+            queue.put_nowait((index, done))
+
+    tasks = [asyncio.create_task(drain(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+                await tasks[index]  # re-raises the stream's error, if it ended with one
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Return once the client has closed the connection."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_unless_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+    """Run a non-streaming request; if its client goes away first, cancel it (which aborts the
+    engine requests it started) instead of computing an answer nobody will read."""
+    work_task = asyncio.ensure_future(work())
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(work_task, return_exceptions=True)
+    if work_task.cancelled():
+        raise APIError("client disconnected", HTTPStatus.BAD_REQUEST, code="client_disconnected")
+    return work_task.result()
+
+
+def sse(payload: Any) -> str:
+    """One server-sent event carrying a pydantic model or a plain dict."""
+    if hasattr(payload, "model_dump_json"):
+        return f"data: {payload.model_dump_json(exclude_unset=False)}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,88 @@
+"""ctypes binding of libv1engine_kernels.so, the compiled CUDA kernels with a plain C ABI.
+
+The library has no libtorch linkage, so it is loaded with ctypes rather than as a Python
+extension; `torch.library` custom ops (see cache_ops.py) wrap its entry points. `load_library()`
+returns None when no library was built (CPU-only install), so importing this module never fails.
+Set V1ENGINE_KERNELS_LIB to a path to load another build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+LIBRARY_FILENAME = "libv1engine_kernels.so"
+LIBRARY_ENV_VAR = "V1ENGINE_KERNELS_LIB"
+ABI_VERSION = 1
+"""Must equal V1E_ABI_VERSION in csrc/v1engine_kernels.h."""
+
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+"""torch dtype -> the v1e_dtype code of csrc/v1engine_kernels.h."""
+
+_i64 = ctypes.c_int64
+_ptr = ctypes.c_void_p
+
+
+def library_path() -> Path:
+    """Where the library is looked for: $V1ENGINE_KERNELS_LIB, else beside this module."""
+    override = os.environ.get(LIBRARY_ENV_VAR)
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parent / LIBRARY_FILENAME
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The loaded library with typed entry points, or None if it was not built.
+
+    Loaded once per process. A library that exists but cannot be loaded, or was built for another
+    ABI version, raises: silently running without it would hide a broken build.
+    """
+    path = library_path()
+    if not path.is_file():
+        if os.environ.get(LIBRARY_ENV_VAR):
+            raise FileNotFoundError(f"{LIBRARY_ENV_VAR}={path} does not name a file")
+        return None
+    lib = ctypes.CDLL(str(path))
+    _declare_signatures(lib)
+    found = lib.v1e_abi_version()
+    if found != ABI_VERSION:
+        raise RuntimeError(
+            f"{path} has C ABI version {found}, this package expects {ABI_VERSION}; rebuild it "
+            "(pip install -e .)"
+        )
+    return lib
+
+
+def _declare_signatures(lib: ctypes.CDLL) -> None:
+    lib.v1e_abi_version.argtypes = []
+    lib.v1e_abi_version.restype = ctypes.c_int
+    lib.v1e_error_string.argtypes = [ctypes.c_int]
+    lib.v1e_error_string.restype = ctypes.c_char_p
+    lib.v1e_reshape_and_cache.argtypes = [
+        _ptr,  # key
+        _ptr,  # value
+        _ptr,  # kv_cache
+        _ptr,  # slot_mapping (int64)
+        _i64,  # num_tokens
+        _i64,  # num_kv_heads
+        _i64,  # head_size
+        _i64,  # key_row_stride (elements)
+        _i64,  # value_row_stride (elements)
+        _i64,  # num_blocks
+        _i64,  # block_size
+        ctypes.c_int,  # dtype code
+        _ptr,  # cudaStream_t
+    ]
+    lib.v1e_reshape_and_cache.restype = ctypes.c_int
+
+
+def check_status(lib: ctypes.CDLL, code: int, entry_point: str) -> None:
+    """Raises RuntimeError with the CUDA runtime's message when an entry point failed."""
+    if code != 0:
+        message = lib.v1e_error_string(code).decode(errors="replace")
+        raise RuntimeError(f"{entry_point} failed with CUDA error {code}: {message}")

