@@ -77,20 +77,10 @@ def test_chunked_prefill_same_tokens(prompt_ids, reference):
 def test_preemption_same_tokens(prompt_ids, reference):
     # 8 prompts need ~20 blocks of 4 tokens each at the end; 24 blocks force recompute.
     llm = LLM(max_model_len=128, num_kv_blocks=24, block_size=4, enable_prefix_caching=False)
-    scheduler = llm.engine_core.scheduler
-    preempted = 0
-    original = scheduler.make_stats
-
-    def counting_stats():
-        nonlocal preempted
-        stats = original()
-        preempted += stats.num_preempted_reqs
-        return stats
-
-    scheduler.make_stats = counting_stats
+    totals = _count_stats(llm)
     outputs = llm.generate(prompt_ids, _greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
-    assert preempted > 0
+    assert totals["num_preempted_reqs"] > 0
     assert _free_blocks(llm) == llm.engine_core.num_kv_blocks
 
 
@@ -113,26 +103,35 @@ def test_prefix_cache_hits_shared_system_prompt(llm):
     expected = cold.generate(prompts, _greedy(), use_tqdm=False)
     got = first + rest
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
-    stats = llm.engine_core.scheduler.kv_cache_manager
     assert _free_blocks(llm) == llm.engine_core.num_kv_blocks
-    del stats
 
 
-def test_prefix_cache_hit_rate_reported(llm):
-    manager = llm.engine_core.scheduler.kv_cache_manager
-    manager.make_prefix_cache_stats()  # reset the window
+def _count_stats(llm: LLM) -> dict[str, int]:
+    """Sum the scheduler's per-step stats (counts since the previous step) from now on."""
+    scheduler = llm.engine_core.scheduler
+    totals = {"num_preempted_reqs": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+    original = scheduler.make_stats
+
+    def counting_stats():
+        stats = original()
+        for name in totals:
+            totals[name] += getattr(stats, name)
+        return stats
+
+    scheduler.make_stats = counting_stats
+    return totals
+
+
+def test_prefix_cache_hit_rate_reported():
+    llm = LLM(max_model_len=512, num_kv_blocks=256)
+    totals = _count_stats(llm)
     prefix = "Shared context: " + "alpha beta gamma delta " * 12
     llm.generate([prefix + "one"], _greedy(max_tokens=2), use_tqdm=False)
+    assert totals["prefix_cache_hits"] == 0
     llm.generate([prefix + "two", prefix + "three"], _greedy(max_tokens=2), use_tqdm=False)
-    queries, hits = _stats_tuple(manager.make_prefix_cache_stats())
+    queries, hits = totals["prefix_cache_queries"], totals["prefix_cache_hits"]
     assert queries > 0
     assert hits / queries > 0.5
-
-
-def _stats_tuple(stats) -> tuple[int, int]:
-    if isinstance(stats, tuple):
-        return stats
-    return stats.queries, stats.hits
 
 
 @pytest.mark.parametrize("exact", [True])

@@ -8,6 +8,11 @@ the front of the queue).
 
 `num_computed_tokens` advances in `schedule()`, when tokens are granted, not when the step's
 output arrives: the next step can then be scheduled before this one finishes.
+
+Async scheduling: with `async_scheduling`, a request granted the tokens that make it sample
+counts one placeholder output token at once, so step N+1 can schedule its decode before step N's
+token is known (the runner feeds it on the device). The token replaces the placeholder in
+`update_from_output`; a request that stops there has its in-flight surplus token dropped.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Scheduler:
         cache_config: CacheConfig,
         max_model_len: int,
         num_kv_blocks: int,
+        async_scheduling: bool = False,
     ) -> None:
         assert scheduler_config.max_num_batched_tokens is not None, "resolve the config first"
         assert scheduler_config.max_num_seqs is not None, "resolve the config first"
@@ -45,6 +51,7 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.max_model_len = max_model_len
+        self.async_scheduling = async_scheduling
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_kv_blocks,
             block_size=cache_config.block_size,
@@ -79,7 +86,12 @@ class Scheduler:
             self._schedule_waiting(plan)
 
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            if self.async_scheduling and request.num_computed_tokens >= (
+                request.num_tokens + request.num_output_placeholders
+            ):
+                request.num_output_placeholders += 1  # this step samples its next token
         output = SchedulerOutput(
             scheduled_new_reqs=plan.new_reqs,
             scheduled_cached_reqs=plan.cached_reqs,
@@ -100,6 +112,8 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue  # Aborted after the step was scheduled.
+            if sampled:
+                request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
             new_token_ids = self._append_new_tokens(request, sampled)
             num_scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             chunk_start = request.num_computed_tokens - num_scheduled  # schedule() advanced it
@@ -119,6 +133,7 @@ class Scheduler:
                     )
                 )
         self._remove_finished_running()
+        self._remove_finished_waiting()
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic()
         )
@@ -214,6 +229,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
         self.waiting.appendleft(request)
         self.finished_req_ids.add(request.request_id)
         self._num_preempted_since_stats += 1
@@ -245,17 +261,24 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit_tokens,
+                    eos_token_id=request.eos_token_id,
                 )
             )
             plan.grant(request, num_new_tokens)
 
     def _num_remaining_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """Known tokens not yet computed, never past max_model_len.
+        """Tokens (known or placeholder) not yet computed, never past max_model_len.
 
-        Stop checks keep num_tokens <= max_model_len today; the cap matters once tokens that are
-        counted before they are known (async placeholders, draft tokens) join num_tokens.
+        A request whose placeholders already reach max_tokens is certain to stop when they
+        resolve: it gets nothing more.
         """
-        return min(request.num_tokens, self.max_model_len) - num_computed_tokens
+        placeholders = request.num_output_placeholders
+        if placeholders:
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None and request.num_output_tokens + placeholders >= max_tokens:
+                return 0
+        num_tokens = min(request.num_tokens + placeholders, self.max_model_len)
+        return num_tokens - num_computed_tokens
 
     def _append_new_tokens(self, request: Request, sampled: list[int]) -> list[int]:
         """Append sampled tokens up to (and including) the first one that stops the request."""
@@ -274,6 +297,15 @@ class Scheduler:
         self.running = [request for request in self.running if not request.is_finished]
         for request in finished:
             self.finished_req_ids.add(request.request_id)
+            self._free_request(request)
+
+    def _remove_finished_waiting(self) -> None:
+        """A request preempted while its step was in flight can stop on that step's token."""
+        if not self.async_scheduling:
+            return
+        finished = [request for request in self.waiting if request.is_finished]
+        for request in finished:
+            self.waiting.remove(request)
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:

@@ -13,9 +13,10 @@ import torch
 
 from v1_engine.config import EngineConfig
 from v1_engine.core.request import Request, RequestStatus
+from v1_engine.core.sched_output import SchedulerOutput
 from v1_engine.core.scheduler import Scheduler
 from v1_engine.protocol import EngineCoreOutputs, EngineCoreRequest
-from v1_engine.worker.model_runner import ModelRunner
+from v1_engine.worker.model_runner import ModelRunner, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +31,16 @@ class EngineCore:
         self.model_runner = ModelRunner(config, device)
         self.num_kv_blocks = self.model_runner.determine_num_kv_blocks()
         self.model_runner.initialize_kv_cache(self.num_kv_blocks)
+        self.async_scheduling = _use_async_scheduling(config, device)
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
             config.model_config.max_model_len,
             self.num_kv_blocks,
+            async_scheduling=self.async_scheduling,
         )
+        self._in_flight: tuple[SchedulerOutput, StepOutput] | None = None
+        """Async scheduling: the launched step whose output is collected by the next step()."""
         logger.info("engine core ready on %s in %.1f s", device, time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -45,13 +50,36 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> EngineCoreOutputs:
-        if not self.scheduler.has_unfinished_requests():
+        """Run one step and return its outputs.
+
+        With async scheduling, step N+1 is scheduled and launched before step N's tokens are
+        read back, and the outputs returned are step N's.
+        """
+        if not self.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if not self.async_scheduling:
+            scheduler_output = self.scheduler.schedule()
+            step = self.model_runner.execute_model(scheduler_output)
+            return self._collect(scheduler_output, step)
+        launched = None
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            launched = (scheduler_output, self.model_runner.execute_model(scheduler_output))
+        in_flight, self._in_flight = self._in_flight, launched
+        if in_flight is None:
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+        return self._collect(*in_flight)
+
+    def _collect(self, scheduler_output: SchedulerOutput, step: StepOutput) -> EngineCoreOutputs:
+        outputs = self.scheduler.update_from_output(scheduler_output, step.get_output())
         outputs.timestamp = time.monotonic()
         return outputs
+
+
+def _use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
+    """On by default where the device runs asynchronously to the host (CUDA)."""
+    requested = config.scheduler_config.async_scheduling
+    return device.type == "cuda" if requested is None else requested

@@ -89,10 +89,16 @@ class InputBatch:
             self.req_id_to_row[moved] = row
         self.req_ids[last] = None
 
-    def append_token(self, row: int, token_id: int) -> None:
-        n = self.num_tokens[row]
-        self.token_ids[row, n] = token_id
-        self.num_tokens[row] = n + 1
-        req_id = self.req_ids[row]
-        assert req_id is not None
+    def add_placeholder(self, row: int) -> int:
+        """Count a sampled token whose value is still on the device; returns its position."""
+        position = int(self.num_tokens[row])
+        self.num_tokens[row] = position + 1
+        return position
+
+    def set_token(self, req_id: str, position: int, token_id: int) -> None:
+        """Fill in a placeholder once its value reached the host (no-op if the request left)."""
+        row = self.req_id_to_row.get(req_id)
+        if row is None:
+            return
+        self.token_ids[row, position] = token_id
         self.states[req_id].output_token_ids.append(token_id)

@@ -7,6 +7,7 @@ scheduler beyond the SchedulerOutput / ModelRunnerOutput contract.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ from v1_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from v1_engine.forward_context import set_forward_context
 from v1_engine.models.loader import get_model, load_hf_config
 from v1_engine.protocol import LogprobsLists
-from v1_engine.sample.logprobs import compute_prompt_logprobs
+from v1_engine.sample.logprobs import LogprobsTensors, compute_prompt_logprobs
 from v1_engine.sample.metadata import SamplingMetadata
 from v1_engine.sample.sampler import Sampler
 from v1_engine.worker.input_batch import CachedRequestState, InputBatch
@@ -59,6 +60,8 @@ class ModelRunner:
             config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size
         )
         self.kv_caches: list[torch.Tensor] = []
+        self._pending: PendingTokens | None = None
+        """Tokens sampled by the last step, not yet written into the host-side batch."""
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -161,49 +164,86 @@ class ModelRunner:
         return rows, num_sched, cu, seq_lens, input_ids_t, positions_t, metadata
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> StepOutput:
+        """Launch one step; its sampled tokens stay on the device until `get_output()`.
+
+        The previous step's tokens are fed to this step's inputs on the device, so the
+        scheduler may plan this step before it has seen them (async scheduling).
+        """
         self.update_states(so)
         if so.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            self._resolve_pending()
+            return StepOutput(req_ids=[], sampled=None)
         batch = self.input_batch
         req_ids = list(so.num_scheduled_tokens)
         rows, num_sched, cu, seq_lens, input_ids, positions, metadata = self._prepare_inputs(
             so, req_ids
         )
+        self._feed_pending_tokens(req_ids, rows, cu, input_ids)
         with set_forward_context(metadata, self.attn_backend, self.model.attention_layers()):
             hidden = self.model(input_ids, positions)
-
-        # A request samples only when this step reaches the end of its known tokens.
-        sampling = seq_lens >= batch.num_tokens[rows]
-        sample_idx = np.nonzero(sampling)[0]
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, cu, hidden)
-        sampled_lists: list[list[int]] = [[] for _ in req_ids]
-        logprobs: dict[str, LogprobsLists] = {}
-        if len(sample_idx):
-            logits_idx = torch.from_numpy(cu[1:][sample_idx] - 1).to(self.device)
-            logits = self.model.compute_logits(hidden[logits_idx])
-            metadata_s = self._sampling_metadata([req_ids[i] for i in sample_idx])
-            out = self.sampler(logits, metadata_s)
-            sampled = out.sampled_token_ids.tolist()
-            for j, i in enumerate(sample_idx):
-                sampled_lists[i] = [sampled[j]]
-            if out.logprobs is not None:
-                lists = out.logprobs.to_lists()
-                for j, i in enumerate(sample_idx):
-                    want = batch.states[req_ids[i]].sampling_params.logprobs
-                    if want is not None:
-                        logprobs[req_ids[i]] = _take_row(lists, j, want)
-
         batch.num_computed_tokens[rows] = seq_lens
-        for i, tokens in enumerate(sampled_lists):
-            if tokens:
-                batch.append_token(int(rows[i]), tokens[0])
-        return ModelRunnerOutput(
+        # Penalties and min_tokens need the previous step's tokens on the host: by now the
+        # device has long finished that step, so this wait costs nothing on a GPU.
+        self._resolve_pending()
+
+        # A request samples only when this step reaches the end of its tokens.
+        sample_idx = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
+        if not len(sample_idx):
+            return StepOutput(req_ids=req_ids, sampled=None, prompt_logprobs=prompt_logprobs)
+        sample_req_ids = [req_ids[i] for i in sample_idx]
+        logits_idx = torch.from_numpy(cu[1:][sample_idx] - 1).to(self.device)
+        logits = self.model.compute_logits(hidden[logits_idx])
+        out = self.sampler(logits, self._sampling_metadata(sample_req_ids))
+        pending = PendingTokens(
+            req_ids=sample_req_ids,
+            positions=[batch.add_placeholder(int(rows[i])) for i in sample_idx],
+            device_ids=out.sampled_token_ids,
+            host_ids=_copy_to_host(out.sampled_token_ids),
+        )
+        self._pending = pending
+        return StepOutput(
             req_ids=req_ids,
-            sampled_token_ids=sampled_lists,
-            logprobs=logprobs,
+            sampled=pending,
+            logprobs=out.logprobs,
+            num_logprobs=[batch.states[r].sampling_params.logprobs for r in sample_req_ids],
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _feed_pending_tokens(
+        self, req_ids: list[str], rows: np.ndarray, cu: np.ndarray, input_ids: torch.Tensor
+    ) -> None:
+        """Write the previous step's sampled tokens, still on the device, into this step's
+        inputs where this step computes them (a decode step's only token)."""
+        pending = self._pending
+        if pending is None:
+            return
+        index = {req_id: i for i, req_id in enumerate(req_ids)}
+        dst, src = [], []
+        computed = self.input_batch.num_computed_tokens[rows]
+        for j, (req_id, position) in enumerate(zip(pending.req_ids, pending.positions)):
+            i = index.get(req_id)
+            if i is None or req_id not in self.input_batch.req_id_to_row:
+                continue
+            offset = position - int(computed[i])
+            if 0 <= offset < cu[i + 1] - cu[i]:
+                dst.append(int(cu[i]) + offset)
+                src.append(j)
+        if dst:
+            dst_t = torch.tensor(dst, device=self.device)
+            src_t = torch.tensor(src, device=self.device)
+            input_ids[dst_t] = pending.device_ids[src_t]
+
+    def _resolve_pending(self) -> None:
+        """Move the previous step's sampled tokens into the host-side batch state."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        for req_id, position, token_id in zip(
+            pending.req_ids, pending.positions, pending.host_tokens()
+        ):
+            self.input_batch.set_token(req_id, position, token_id)
 
     def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
         states = [self.input_batch.states[r] for r in req_ids]
@@ -237,6 +277,66 @@ class ModelRunner:
             targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=self.device)
             result[req_id] = compute_prompt_logprobs(logits, targets, k).to_lists()
         return result
+
+
+def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A non-blocking device-to-host copy into pinned memory (a plain tensor on CPU)."""
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+@dataclass
+class PendingTokens:
+    """Tokens one step sampled: on the device at once, on the host after the copy lands."""
+
+    req_ids: list[str]
+    positions: list[int]
+    """Where each token sits in its request's sequence."""
+    device_ids: torch.Tensor
+    host_ids: torch.Tensor
+    copy_done: torch.cuda.Event | None = None
+
+    def __post_init__(self) -> None:
+        if self.device_ids.device.type == "cuda":
+            self.copy_done = torch.cuda.Event()
+            self.copy_done.record()
+
+    def host_tokens(self) -> list[int]:
+        if self.copy_done is not None:
+            self.copy_done.synchronize()
+        return self.host_ids.tolist()
+
+
+@dataclass
+class StepOutput:
+    """A launched step. `get_output()` waits for its tokens and builds the runner output."""
+
+    req_ids: list[str]
+    sampled: PendingTokens | None
+    logprobs: LogprobsTensors | None = None
+    num_logprobs: list[int | None] = field(default_factory=list)
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+    def get_output(self) -> ModelRunnerOutput:
+        sampled_lists: dict[str, list[int]] = {}
+        logprobs: dict[str, LogprobsLists] = {}
+        if self.sampled is not None:
+            tokens = self.sampled.host_tokens()
+            sampled_lists = {r: [t] for r, t in zip(self.sampled.req_ids, tokens)}
+            if self.logprobs is not None:
+                lists = self.logprobs.to_lists()
+                for j, (req_id, want) in enumerate(zip(self.sampled.req_ids, self.num_logprobs)):
+                    if want is not None:
+                        logprobs[req_id] = _take_row(lists, j, want)
+        return ModelRunnerOutput(
+            req_ids=self.req_ids,
+            sampled_token_ids=[sampled_lists.get(r, []) for r in self.req_ids],
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+        )
 
 
 def _take_row(lists: LogprobsLists, row: int, num_logprobs: int) -> LogprobsLists:

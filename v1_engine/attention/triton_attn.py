@@ -1,0 +1,60 @@
+"""The Triton attention backend: the compiled K/V write, then one paged-attention launch.
+
+Everything `forward` touches on the device comes from the step's metadata (built once per step
+into device tensors); the host reads only python ints (token and request counts, the longest
+query and sequence), so a step can be captured in a CUDA graph. It runs on CUDA, and on the CPU
+under the Triton interpreter (TRITON_INTERPRET=1), which is how CI checks the kernels' logic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from v1_engine.attention.backend import AttentionMetadata
+from v1_engine.kernels.cache_ops import write_to_kv_cache
+
+
+class TritonAttentionBackend:
+    """AttentionBackend on the varlen paged Triton kernel (prefill chunks and decode together)."""
+
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        """`num_splits` pins the split-KV factor (tests, graph capture); None picks per step."""
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
+        self.num_splits = num_splits
+        # Imported here so that importing this module does not require triton.
+        from v1_engine.kernels.triton_attention import paged_attention
+
+        self._paged_attention = paged_attention
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        output: torch.Tensor,
+    ) -> None:
+        num_actual = metadata.num_actual_tokens
+        write_to_kv_cache(
+            key[:num_actual], value[:num_actual], kv_cache, metadata.slot_mapping[:num_actual]
+        )
+        self._paged_attention(
+            query[:num_actual],
+            kv_cache,
+            metadata.block_table,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            metadata.max_query_len,
+            metadata.max_seq_len,
+            scale,
+            output[:num_actual],
+            num_splits=self.num_splits,
+        )
+        # Padding rows (a batch padded for a captured graph) get zeros, never stale values.
+        if output.shape[0] > num_actual:
+            output[num_actual:].zero_()

@@ -1,0 +1,442 @@
+"""Paged attention in Triton: one varlen kernel for a mixed batch, plus a split-KV reduce.
+
+`paged_attention` serves every request of a step in one launch, whatever its shape: a prefill
+chunk (many query tokens attending to its cached context and, causally, to itself) and a decode
+token (one query token over its whole context) are the same program with different lengths.
+
+Work decomposition. A program owns one *q-block* (up to BLOCK_Q consecutive query tokens of one
+request) for one kv head, and computes every query head of that kv head's GQA group at once: the
+tile's rows are (token, group member) pairs, so K/V are read once per group, not once per query
+head. Q-blocks of request i are numbered from `query_start_loc[i] // BLOCK_Q + i`, which is
+increasing in i and bounded by `num_tokens // BLOCK_Q + num_reqs`: the grid size is known on the
+host without reading any device tensor, and a program finds its request by binary search.
+
+Split-KV (flash-decoding). With few requests and long contexts, one program per (q-block, kv head)
+leaves most of the GPU idle. Then the KV range of each q-block is cut into `num_splits` pieces
+handled by separate programs, each writing a partial result normalised by its own softmax sum,
+with its running max and sum; a second kernel merges the pieces per (token, head).
+
+Precision: scores and the softmax run in float32 (exp2 with the scale folded into log2 units);
+float32 inputs use IEEE dot products, 16-bit inputs the tensor cores with float32 accumulation.
+Head sizes that are not powers of two are padded to the next one with masked loads.
+
+Nothing here reads a device tensor on the host, so a launch can be captured in a CUDA graph; the
+host decisions use only python ints (token count, request count, max query/seq length).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, q_block_id, num_reqs, BLOCK_Q: tl.constexpr):
+    """The request whose q-blocks contain `q_block_id` (last i with start_block(i) <= id)."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale_log2,
+    num_reqs,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE: tl.constexpr,
+    USE_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    q_block_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    req = _find_request(query_start_loc_ptr, q_block_id, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    local_block = q_block_id - (q_start // BLOCK_Q + req)
+    if local_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok_local = local_block * BLOCK_Q + rows // GROUP_PAD
+    member = rows % GROUP_PAD
+    row_valid = (tok_local < q_len) & (member < GROUP)
+    token = (q_start + tok_local).to(tl.int64)
+    head = kv_head * GROUP + member
+    dims = tl.arange(0, HEAD_PAD)
+    dim_valid = dims < HEAD_SIZE
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
+    q_pos = context_len + tok_local  # absolute position of each row's token
+
+    # Keys visible to this q-block: positions up to its last token's (causal).
+    last_local = tl.minimum(local_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+    kv_len = context_len + last_local + 1
+    num_tiles = tl.cdiv(kv_len, TILE)
+    if USE_SPLITS:
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    # The running max starts finite (-1e30), so a row with no visible key in a tile gets
+    # exp2(-inf - m) = 0 and exp2(m - m) = 1 instead of NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    offs_t = tl.arange(0, TILE)
+    table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * TILE + offs_t
+        pos_valid = pos < kv_len
+        block_id = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+        kv_off = block_id * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        kv_mask = pos_valid[:, None] & dim_valid[None, :]
+        k_mask = pos_valid[None, :] & dim_valid[:, None]
+        k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None], mask=k_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    result = acc / l_safe[:, None]
+    if USE_SPLITS:
+        # Partials are [tokens, NUM_HEADS, num_splits, HEAD_PAD] and [tokens, NUM_HEADS, splits].
+        stat_off = (token * NUM_HEADS + head) * num_splits + split
+        tl.store(part_max_ptr + stat_off, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + stat_off, l_i, mask=row_valid)
+        tl.store(
+            part_out_ptr + stat_off[:, None] * HEAD_PAD + dims[None, :],
+            result,
+            mask=row_valid[:, None],
+        )
+    else:
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            result.to(out_ptr.dtype.element_ty),
+            mask=q_mask,
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """out[t, h] = sum_s w_s * o_s / sum_s w_s with w_s = l_s * 2^(m_s - max_s m_s)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < num_splits
+    stat_off = (token * NUM_HEADS + head) * num_splits + splits
+    m = tl.load(part_max_ptr + stat_off, mask=split_valid, other=-1.0e30)
+    l_sum = tl.load(part_sum_ptr + stat_off, mask=split_valid, other=0.0)
+    weights = tl.exp2(m - tl.max(m, 0)) * l_sum
+    total = tl.sum(weights, 0)
+    dims = tl.arange(0, HEAD_PAD)
+    parts = tl.load(
+        part_out_ptr + stat_off[:, None] * HEAD_PAD + dims[None, :],
+        mask=split_valid[:, None],
+        other=0.0,
+    )
+    merged = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + dims,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_SIZE,
+    )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _target_programs(device: torch.device) -> int:
+    """Programs that keep the device busy: two per SM on a GPU, a token amount elsewhere."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return 2 * _num_sms(index)
+    return 8
+
+
+def choose_num_splits(
+    num_programs: int, max_query_len: int, max_seq_len: int, tile: int, target_programs: int
+) -> int:
+    """How many pieces to cut each q-block's KV range into (a power of two, 1 = no split).
+
+    Splitting pays when the (q-block, kv head) programs cannot fill the device and each piece
+    still gets several tiles of keys; prefill-heavy steps already have enough programs.
+    """
+    if max_query_len > 16 or num_programs >= target_programs:
+        return 1
+    by_occupancy = -(-target_programs // max(num_programs, 1))
+    by_length = max_seq_len // (4 * tile)
+    splits = min(by_occupancy, by_length, 64)
+    if splits < 2:
+        return 1
+    return 1 << (splits.bit_length() - 1)
+
+
+def _launch_config(
+    dtype: torch.dtype, head_pad: int, group_pad: int, max_query_len: int
+) -> tuple[int, int, int]:
+    """(BLOCK_M, TILE, num_warps) for this step's shape."""
+    wide = dtype != torch.float32 and head_pad <= 128
+    if max_query_len <= 16:  # decode-like: few query rows per program
+        block_m = max(16, group_pad * min(max_query_len, 4))
+        block_m = 1 << (block_m - 1).bit_length()
+        return block_m, 64 if wide else 32, 4
+    if wide:
+        return max(128, group_pad), 64, 8
+    return max(64, group_pad), 32, 4
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    output: torch.Tensor,
+    num_splits: int | None = None,
+) -> None:
+    """Causal attention of query [T, Hq, D] over the paged cache, written into output [T, Hq, D].
+
+    kv_cache [2, num_blocks, block_size, Hkv, D] already holds every token's K/V (context and the
+    new ones); request i owns query rows query_start_loc[i]:query_start_loc[i+1], the last rows of
+    its seq_lens[i] positions. block_table [R, max_blocks] int32, seq_lens [R] int32,
+    query_start_loc [R+1] int32, all on query's device. `num_splits` forces the split-KV factor
+    (None picks it from the shape).
+    """
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    block_size = kv_cache.shape[2]
+    _check_args(query, kv_cache, block_table, seq_lens, query_start_loc, output)
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    block_m, tile, num_warps = _launch_config(query.dtype, head_pad, group_pad, max_query_len)
+    block_q = block_m // group_pad
+    num_q_blocks = num_tokens // block_q + num_reqs
+    if num_splits is None:
+        useful_programs = min(num_q_blocks, num_reqs * -(-max_query_len // block_q)) * num_kv_heads
+        num_splits = choose_num_splits(
+            useful_programs, max_query_len, max_seq_len, tile, _target_programs(query.device)
+        )
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    use_splits = num_splits > 1
+    if use_splits:
+        part_out = torch.empty(
+            (num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=query.device
+        )
+        part_max = torch.empty(
+            (num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_out = part_max = part_sum = output  # unused by the kernel
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    # The interpreter multiplies bfloat16 blocks as their raw bits: upcast there.
+    dot_f32 = query.dtype == torch.float32 or (_interpreting() and query.dtype == torch.bfloat16)
+    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
+        output,
+        part_out,
+        part_max,
+        part_sum,
+        query,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        scale * _LOG2E,
+        num_reqs,
+        num_splits,
+        query.stride(0),
+        query.stride(1),
+        output.stride(0),
+        output.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_table.stride(0),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE=tile,
+        USE_SPLITS=use_splits,
+        DOT_PRECISION="ieee" if dot_f32 else "tf32",
+        DOT_F32=dot_f32,
+        num_warps=num_warps,
+        num_stages=2,
+    )
+    if use_splits:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            output,
+            part_out,
+            part_max,
+            part_sum,
+            num_splits,
+            output.stride(0),
+            output.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_SIZE=head_size,
+            HEAD_PAD=head_pad,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4 if head_pad >= 128 else 2,
+        )
+
+
+def _check_args(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    output: torch.Tensor,
+) -> None:
+    """Raises ValueError naming the argument whose shape, dtype or device does not fit."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_size], got {query.shape}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+        raise ValueError(
+            "kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, head_size] "
+            f"tensor, got {tuple(kv_cache.shape)}"
+        )
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    if kv_cache.shape[4] != head_size or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"query heads/size ({num_heads}, {head_size}) do not fit kv_cache's "
+            f"({num_kv_heads}, {kv_cache.shape[4]}): heads must be a multiple of kv heads"
+        )
+    if query.dtype not in SUPPORTED_DTYPES or kv_cache.dtype != query.dtype:
+        raise ValueError(
+            f"query and kv_cache dtypes must match and be one of {SUPPORTED_DTYPES}, got "
+            f"{query.dtype} and {kv_cache.dtype}"
+        )
+    if output.shape != query.shape or output.dtype != query.dtype or output.stride(2) != 1:
+        raise ValueError(
+            f"output must be {tuple(query.shape)} {query.dtype} with a unit last stride, got "
+            f"{tuple(output.shape)} {output.dtype}"
+        )
+    for name, tensor in (
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
+        if tensor.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {tensor.dtype}")
+        if tensor.device != query.device:
+            raise ValueError(f"{name} is on {tensor.device}, query on {query.device}")
+    if block_table.dim() != 2 or block_table.stride(1) != 1:
+        raise ValueError("block_table must be a 2-D tensor with contiguous rows")
+    if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(
+            f"query_start_loc must have num_reqs + 1 = {seq_lens.shape[0] + 1} entries, got "
+            f"{query_start_loc.shape[0]}"
+        )
+    if kv_cache.device != query.device:
+        raise ValueError(f"kv_cache is on {kv_cache.device}, query on {query.device}")
+
+
+def attention_flops(query_lens: list[int], seq_lens: list[int], num_heads: int, head: int) -> int:
+    """Multiply-add FLOPs of causal attention (QK^T and PV) for the given request shapes."""
+    total = 0
+    for q_len, s_len in zip(query_lens, seq_lens):
+        context = s_len - q_len
+        visible = q_len * context + q_len * (q_len + 1) // 2
+        total += 4 * visible * num_heads * head
+    return total
+
