@@ -53,6 +53,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     """The stop token id (or stop string, set by the front-end) that ended the request."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache when the request was first scheduled."""
+    first_scheduled_time: float | None = None
+    """Wall time (time.time()) the request was first scheduled; sent with its first output."""
 
     @property
     def finished(self) -> bool:

@@ -21,9 +21,8 @@ if not _CUDA:
     # it came in earlier.
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
-if not _CUDA:
-    if "v1_engine.kernels.triton_attention" in sys.modules:
-        importlib.reload(sys.modules["v1_engine.kernels.triton_attention"])
+if not _CUDA and "v1_engine.kernels.triton_attention" in sys.modules:
+    importlib.reload(sys.modules["v1_engine.kernels.triton_attention"])
 
 from v1_engine.attention.backend import AttentionMetadata
 from v1_engine.attention.cpu import CPUAttentionBackend, causal_attention, gather_paged_kv
@@ -161,8 +160,9 @@ def test_interpreter_backend_writes_cache_and_matches_cpu_backend():
     # Request 0: 6 cached + 3 new (blocks 5, 2, 9); request 1: decode at position 4 (blocks 7, 1).
     block_table = torch.tensor([[5, 2, 9], [7, 1, 0]], dtype=torch.int32)
     new_positions = [(0, 6), (0, 7), (0, 8), (1, 4)]  # (request, position)
-    slots = [int(block_table[r, p // block_size]) * block_size + p % block_size
-             for r, p in new_positions]
+    slots = [
+        int(block_table[r, p // block_size]) * block_size + p % block_size for r, p in new_positions
+    ]
     assert slots == [10, 11, 36, 4]
     metadata = AttentionMetadata(
         num_actual_tokens=4,
@@ -251,7 +251,14 @@ def test_gpu_mixed_batch_random(shape, dtype):
             query_lens.append(1 if decode else int(torch.randint(2, 300, (1,), generator=gen)))
             context_lens.append(int(torch.randint(0, 700, (1,), generator=gen)))
         case = make_paged_case(
-            query_lens, context_lens, heads, kv_heads, head_size, block_size, dtype, "cuda",
+            query_lens,
+            context_lens,
+            heads,
+            kv_heads,
+            head_size,
+            block_size,
+            dtype,
+            "cuda",
             seed=trial,
         )
         err = rel_error(run_kernel(case), reference(case))

@@ -1,4 +1,5 @@
-"""The reference attention backend: plain PyTorch over the paged KV cache, one request at a time.
+"""The reference attention backend: plain PyTorch over the paged KV cache (decode tokens batched,
+prefill chunks one request at a time).
 
 It is the correctness yardstick for the fast backends and the real path on CPU. Scores are
 computed in float32 whatever the model dtype.

@@ -59,6 +59,8 @@ class Request:
         """Prefix-cache hits (tokens) at the first schedule; -1 until then."""
         self.block_hashes: list[int] = []
         """Chained hashes of the request's full blocks, extended as blocks fill up."""
+        self.unsent_scheduled_time: float | None = None
+        """When the request was first scheduled, until an output has carried it out."""
         self.num_output_placeholders = 0
         """Async scheduling: tokens sampled by a step still in flight, counted before known."""
         self.num_prompt_logprob_rows = 0

@@ -130,8 +130,10 @@ class Scheduler:
                         finish_reason=request.get_finished_reason(),
                         stop_reason=request.stop_reason,
                         num_cached_tokens=max(request.num_cached_tokens, 0),
+                        first_scheduled_time=request.unsent_scheduled_time,
                     )
                 )
+                request.unsent_scheduled_time = None
         self._remove_finished_running()
         self._remove_finished_waiting()
         return EngineCoreOutputs(
@@ -253,6 +255,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.unsent_scheduled_time = time.time()
             plan.new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,

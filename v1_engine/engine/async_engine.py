@@ -132,6 +132,11 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is None:
             return
+        self._abort_stream(stream)
+
+    def _abort_stream(self, stream: _Stream) -> None:
+        """Finish the stream's requests as aborted (counted by the stat loggers, like any
+        finish) and stop them in the core."""
         final = EngineCoreOutputs(
             outputs=[
                 EngineCoreOutput(request_id=r, new_token_ids=[], finish_reason=FinishReason.ABORT)
@@ -188,9 +193,7 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 # Cancelled, closed early, or failed: make sure the core stops computing it.
-                with self._lock:
-                    known = self.output_processor.abort_requests(stream.core_request_ids)
-                self._abort_in_core(known)
+                self._abort_stream(stream)
 
     def _register(
         self, request_id: str, prompt: str | None, core_requests: list, n: int

