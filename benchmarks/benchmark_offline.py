@@ -18,11 +18,22 @@ from transformers import AutoModelForCausalLM
 from v1_engine import LLM, SamplingParams
 
 TOPICS = [
-    "the history of the printing press", "how rainbows form", "a recipe for bread",
-    "the rules of chess", "why the sky is blue", "the life of honey bees", "how vaccines work",
-    "the water cycle", "a short story about a lighthouse keeper", "the basics of Python",
-    "the causes of the seasons", "a poem about autumn", "how airplanes fly",
-    "the structure of an atom", "tips for learning a language", "the invention of the telephone",
+    "the history of the printing press",
+    "how rainbows form",
+    "a recipe for bread",
+    "the rules of chess",
+    "why the sky is blue",
+    "the life of honey bees",
+    "how vaccines work",
+    "the water cycle",
+    "a short story about a lighthouse keeper",
+    "the basics of Python",
+    "the causes of the seasons",
+    "a poem about autumn",
+    "how airplanes fly",
+    "the structure of an atom",
+    "tips for learning a language",
+    "the invention of the telephone",
 ]
 
 
@@ -76,12 +87,18 @@ def main() -> None:
     hf_time, hf_tokens = bench_hf(model_dir, llm.get_tokenizer(), prompts, args.output_len)
 
     device = llm.config.resolve_device()
-    print(f"\nmodel {llm.config.model_config.served_model_name} on {device}, "
-          f"{args.num_prompts} prompts x {args.output_len} new tokens, greedy, "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"\nmodel {llm.config.model_config.served_model_name} on {device}, "
+        f"{args.num_prompts} prompts x {args.output_len} new tokens, greedy, "
+        f"torch threads {torch.get_num_threads()}"
+    )
     print(f"{'engine':<28}{'time (s)':>10}{'tokens':>9}{'tok/s':>10}")
-    print(f"{'v1engine LLM.generate':<28}{v1_time:>10.2f}{v1_tokens:>9}{v1_tokens / v1_time:>10.1f}")
-    print(f"{'HF transformers generate':<28}{hf_time:>10.2f}{hf_tokens:>9}{hf_tokens / hf_time:>10.1f}")
+    print(
+        f"{'v1engine LLM.generate':<28}{v1_time:>10.2f}{v1_tokens:>9}{v1_tokens / v1_time:>10.1f}"
+    )
+    print(
+        f"{'HF transformers generate':<28}{hf_time:>10.2f}{hf_tokens:>9}{hf_tokens / hf_time:>10.1f}"
+    )
     print(f"ratio v1engine / HF: {(v1_tokens / v1_time) / (hf_tokens / hf_time):.2f}x")
 
 

@@ -51,6 +51,8 @@ def decode_ms_per_step(
     llm: LLM, batch: int, input_len: int, steps: int, vocab: int, repeats: int
 ) -> float:
     """Median over `repeats` of (T(1 + steps) - T(1)) / steps, fresh prompts each time."""
+    # Warm-up at this batch size: kernels specialised for its shapes compile outside the timing.
+    timed_generate(llm, random_prompts(batch, input_len, vocab, 1000 + batch), 3)
     samples = []
     for r in range(repeats):
         short = timed_generate(llm, random_prompts(batch, input_len, vocab, 2 * r), 1)

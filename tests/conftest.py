@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_reference import TINY_CONFIGS, make_tiny_model
 
-try:
-    _HAS_CUDA = torch.cuda.is_available()
-except Exception:  # pragma: no cover
-    _HAS_CUDA = False
+_HAS_CUDA = torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -41,54 +39,6 @@ def hf_default_model(default_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     return model.eval()
-
-
-TINY_CONFIGS = {
-    "llama": dict(
-        model_type="llama",
-        architectures=["LlamaForCausalLM"],
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-        tie_word_embeddings=False,
-    ),
-    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
-    "qwen3": dict(
-        model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32, tie_word_embeddings=True
-    ),
-}
-
-
-def make_tiny_model(kind: str, path, tokenizer) -> None:
-    """Save a random-weight HF model of `kind` (with the default model's tokenizer) to path."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    spec = dict(TINY_CONFIGS[kind])
-    model_type = spec.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **spec,
-    )
-    torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
 
 
 @pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))

@@ -65,7 +65,9 @@ class CacheConfig:
 
     def verify(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+            raise ValueError(
+                f"block_size must be a power of two in [1, 128], got {self.block_size}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -73,7 +75,9 @@ class CacheConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
         if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype must be one of ('auto',), got {self.kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be one of ('auto',), got {self.kv_cache_dtype!r}"
+            )
 
 
 @dataclass
@@ -102,9 +106,7 @@ class ParallelConfig:
 
     def verify(self) -> None:
         if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size must be 1, got {self.tensor_parallel_size}"
-            )
+            raise ValueError(f"tensor_parallel_size must be 1, got {self.tensor_parallel_size}")
 
 
 @dataclass

