@@ -16,10 +16,13 @@ with the date, commit and machine.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,6 +72,9 @@ class StepTimer:
         setattr(owner, method, timed)
 
     def end_step(self, wall: float) -> None:
+        if not self.use_cuda_events:
+            # On CPU, execute_model's wall time includes the input preparation timed separately.
+            self.current["device"] -= self.current.get("prepare_inputs", 0.0)
         self.current["wall"] = wall
         self.steps.append(dict(self.current))
         self.current = defaultdict(float)
@@ -89,6 +95,8 @@ def run(args: argparse.Namespace, async_scheduling: bool) -> list[dict[str, floa
         async_scheduling=async_scheduling,
         max_num_seqs=args.num_requests,
         load_format=args.load_format,
+        dtype=args.dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
     core = llm.engine_core
     timer = StepTimer(use_cuda_events=core.model_runner.device.type == "cuda")
@@ -113,6 +121,10 @@ def run(args: argparse.Namespace, async_scheduling: bool) -> list[dict[str, floa
             core.abort_requests(processed.reqs_to_abort)
         timer.end_step(time.perf_counter() - start)
     timer.finish()
+    del llm, core
+    gc.collect()  # the timing wrappers form reference cycles; free the KV pool before the next run
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return timer.steps
 
 
@@ -136,17 +148,37 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--append", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     rows = {}
     for async_scheduling in (False, True):
         steps = run(args, async_scheduling)
         rows["on" if async_scheduling else "off"] = summarize(steps, args.warmup_steps)
     columns = list(rows["off"])
-    print(f"{args.num_requests} requests decoding, medians per step (steps after warm-up)")
-    print("| async | " + " | ".join(columns) + " |")
-    print("|---" * (len(columns) + 1) + "|")
+    lines = [
+        (
+            f"{args.num_requests} requests, {args.input_len}-token prompts, {args.output_len} output "
+            f"tokens; medians per step after {args.warmup_steps} warm-up steps (ms); hidden_pct = "
+            "share of the CPU work overlapped with device execution"
+        ),
+        "",
+        "| async | " + " | ".join(columns) + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
     for name, summary in rows.items():
-        print(f"| {name} | " + " | ".join(f"{summary[c]:.2f}" for c in columns) + " |")
+        lines.append(f"| {name} | " + " | ".join(f"{summary[c]:.2f}" for c in columns) + " |")
+    print("\n".join(lines))
+    if args.append:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_utils import append_results, machine
+
+        append_results(
+            f"core overlap ({machine().split(',')[0]})",
+            "python benchmarks/benchmark_core_overlap.py " + " ".join(sys.argv[1:]),
+            "\n".join(lines),
+        )
 
 
 if __name__ == "__main__":
