@@ -97,6 +97,7 @@ def make_dummy_forward(
     num_logits: int,
     vocab_size: int,
     device: torch.device,
+    max_positions: int | None = None,
 ) -> Callable[[], None]:
     """A forward of `num_tokens` tokens without KV cache, plus logits for `num_logits` rows.
 
@@ -109,6 +110,9 @@ def make_dummy_forward(
     def forward() -> None:
         input_ids = torch.randint(0, vocab_size, (num_tokens,), device=device)
         positions = torch.arange(num_tokens, device=device)
+        if max_positions is not None:
+            # The budget may exceed the context length: stay inside the rotary tables.
+            positions = positions % max_positions
         with torch.inference_mode():
             with set_forward_context(None, attn_backend, model.attention_layers()):
                 hidden = model(input_ids, positions)

@@ -99,6 +99,7 @@ class ModelRunner:
             sc.max_num_seqs,
             self.vocab_size,
             self.device,
+            max_positions=self.max_model_len,
         )
         num_blocks, self.kv_report = profile_kv_budget(
             self.model,
