@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -102,7 +104,8 @@ class EngineCoreProcClient:
         )
         self._atexit = _make_atexit_hook(weakref.ref(self))
         try:
-            self.process.start()
+            with _main_module_hidden():
+                self.process.start()
             # After start(): multiprocessing's own exit hook, which joins children forever, is
             # registered by then, and hooks run last-registered first, so ours stops the core.
             atexit.register(self._atexit)
@@ -320,3 +323,26 @@ def _make_atexit_hook(client_ref: weakref.ref[EngineCoreProcClient]) -> Callable
             client.shutdown()
 
     return hook
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Start the core without re-running the user's script in it.
+
+    A spawned child normally re-imports the parent's `__main__` (by path or module name), which
+    runs a script's top level again (a second engine, a fork bomb without an
+    `if __name__ == "__main__":` guard). The core needs nothing from `__main__`: its target and
+    config come from this package, so the child is told there is no main module to import.
+    """
+    main = sys.modules.get("__main__")
+    saved = {name: getattr(main, name) for name in ("__file__", "__spec__") if hasattr(main, name)}
+    try:
+        for name in saved:
+            if name == "__spec__":
+                main.__spec__ = None
+            else:
+                delattr(main, name)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(main, name, value)

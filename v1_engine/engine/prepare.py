@@ -21,7 +21,7 @@ def prepare_engine_config(config: EngineConfig) -> PretrainedConfig:
     if mc.tokenizer is None:
         mc.tokenizer = str(path)
     if mc.served_model_name is None:
-        mc.served_model_name = _default_served_name(original, path)
+        mc.served_model_name = default_served_name(original)
     hf_config = load_hf_config(path)
     config.resolve_model_facts(_max_positions(hf_config))
     return hf_config
@@ -34,7 +34,8 @@ def _max_positions(hf_config: PretrainedConfig) -> int:
     return int(value)
 
 
-def _default_served_name(original: str | None, path) -> str:
+def default_served_name(original: str | None) -> str:
+    """The name clients use when none is given: the model path's last part, without .gguf."""
     if original is None:
         return "SmolLM2-135M-Instruct"
     return str(original).rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")

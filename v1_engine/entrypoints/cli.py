@@ -116,6 +116,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="reuse the KV cache of shared prompt prefixes (default: on)",
     )
     group.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step N+1 while step N runs on the device (default: on with CUDA, off on "
+        "CPU, where nothing can overlap)",
+    )
+    group.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run the model eagerly: no torch.compile, no CUDA graphs",
@@ -143,7 +150,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "load_format": args.load_format,
         "served_model_name": served_model_name(args),
     }
-    optional = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization")
+    optional = (
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "gpu_memory_utilization",
+        "async_scheduling",
+    )
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
     return kwargs
 
@@ -152,9 +165,9 @@ def served_model_name(args: argparse.Namespace) -> str:
     """Known before the engine starts, so the metrics can carry it as a label."""
     if args.served_model_name:
         return args.served_model_name
-    from v1_engine.engine.prepare import _default_served_name
+    from v1_engine.engine.prepare import default_served_name
 
-    return _default_served_name(args.model, None)
+    return default_served_name(args.model)
 
 
 def run_server(args: argparse.Namespace) -> int:
