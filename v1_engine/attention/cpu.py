@@ -8,6 +8,7 @@ computed in float32 whatever the model dtype.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from v1_engine.attention.backend import AttentionMetadata
 from v1_engine.kernels.cache_ops import write_to_kv_cache
@@ -29,21 +30,20 @@ def causal_attention(
 ) -> torch.Tensor:
     """query [Lq, Hq, D] holds the last Lq of the Lk positions in key/value [Lk, Hkv, D].
 
-    Query i sits at position Lk - Lq + i and sees keys 0..that position. Query heads are grouped
-    over kv heads (GQA) by a reshape, without copying K/V per query head.
+    Query i sits at position Lk - Lq + i and sees keys 0..that position. Query heads share
+    their group's kv head (GQA) inside SDPA, without copying K/V per query head.
     """
-    q_len, num_heads, head_size = query.shape
-    k_len, num_kv_heads, _ = key.shape
-    group = num_heads // num_kv_heads
-    q = query.float().view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
-    k = key.float().permute(1, 0, 2)[:, None]  # [Hkv, 1, Lk, D]
-    v = value.float().permute(1, 0, 2)[:, None]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [Hkv, G, Lq, Lk]
-    q_pos = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
-    k_pos = torch.arange(k_len, device=query.device)[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, G, Lq, D]
-    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size).to(query.dtype)
+    q_len, k_len = query.shape[0], key.shape[0]
+    q = query.float().transpose(0, 1)[None]  # [1, Hq, Lq, D]
+    k = key.float().transpose(0, 1)[None]
+    v = value.float().transpose(0, 1)[None]
+    if q_len == k_len:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
+        mask = torch.arange(k_len, device=query.device)[None, :] <= q_pos
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1).to(query.dtype)
 
 
 def batched_decode_attention(
@@ -55,28 +55,26 @@ def batched_decode_attention(
 ) -> torch.Tensor:
     """One query token per request (decode), all requests in one padded batch.
 
-    query [R, Hq, D]; each request attends to its first seq_lens[r] cached tokens. Keys past a
-    request's length are masked, so padding never changes a result.
+    query [R, Hq, D]; each request attends to its first seq_lens[r] cached tokens. Padding
+    positions gather the request's own first token (already written, so never garbage from
+    another request) and are masked out, so padding never changes a result.
     """
-    num_reqs, num_heads, head_size = query.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    block_size, num_kv_heads, head_size = kv_cache.shape[2:]
+    seq_lens = seq_lens.to(query.device).long()
     max_len = int(seq_lens.max())
-    num_blocks = -(-max_len // block_size)
-    table = block_table[:, :num_blocks].long().to(kv_cache.device)
-    k = kv_cache[0][table].reshape(num_reqs, num_blocks * block_size, num_kv_heads, head_size)
-    v = kv_cache[1][table].reshape(num_reqs, num_blocks * block_size, num_kv_heads, head_size)
-    group = num_heads // num_kv_heads
-    q = query.float().view(num_reqs, num_kv_heads, group, head_size)
     positions = torch.arange(max_len, device=query.device)
-    valid = positions[None, :] < seq_lens.to(query.device)[:, None]  # [R, L]
-    k = k[:, :max_len].float().masked_fill(~valid[:, :, None, None], 0.0)
-    scores = torch.einsum("rhgd,rlhd->rhgl", q, k) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    # Unwritten slots past a request's length may hold anything (NaN included): 0 * NaN = NaN.
-    v = v[:, :max_len].float().masked_fill(~valid[:, :, None, None], 0.0)
-    out = torch.einsum("rhgl,rlhd->rhgd", probs, v)
-    return out.reshape(num_reqs, num_heads, head_size).to(query.dtype)
+    valid = positions[None, :] < seq_lens[:, None]  # [R, L]
+    positions = torch.where(valid, positions[None, :], 0)
+    table = block_table.long().to(query.device)
+    slots = table.gather(1, positions // block_size) * block_size + positions % block_size
+    flat = kv_cache.view(2, -1, num_kv_heads, head_size)
+    k = flat[0][slots].float().transpose(1, 2)  # [R, Hkv, L, D]
+    v = flat[1][slots].float().transpose(1, 2)
+    q = query.float()[:, :, None, :]  # [R, Hq, 1, D]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0].to(query.dtype)
 
 
 class CPUAttentionBackend:
