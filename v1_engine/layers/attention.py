@@ -62,6 +62,10 @@ class Attention(nn.Module):
         self.layer_name = layer_name
         self.kv_cache = torch.empty(0)
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The paged cache this layer needs (an MLA layer stores one latent per token instead)."""
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_size)
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query [T, Hq*D] or [T, Hq, D], key/value [T, Hkv*D] or [T, Hkv, D] → [T, Hq*D]."""
         num_tokens = query.shape[0]

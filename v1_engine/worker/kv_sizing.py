@@ -4,6 +4,7 @@ that finds the budget (weights + peak activations + non-torch memory, the rest i
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,9 +16,9 @@ logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(layers: Sequence, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of block_size tokens, summed over every attention layer."""
+    """One block of block_size tokens, summed over every attention layer's cache shape."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * layer.num_kv_heads * layer.head_size * elem for layer in layers)
+    return sum(math.prod(layer.kv_cache_shape(1, block_size)) * elem for layer in layers)
 
 
 def num_kv_blocks_for_budget(budget_bytes: int, bytes_per_block: int) -> int:

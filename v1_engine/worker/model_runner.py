@@ -116,7 +116,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
         for layer in self.model.attention_layers():
-            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
+            shape = layer.kv_cache_shape(num_blocks, self.block_size)
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
