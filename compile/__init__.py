@@ -1,2 +1,25 @@
-"""The torch.compile front-end: backend, graph splitting at attention ops, CUDA graph capture and
-replay, fusion passes and the compile cache. Filled in by a later issue."""
+"""The torch.compile front-end: a piecewise backend that splits the traced forward at the
+attention ops and compiles each piece with Inductor, and fusion passes applied before it.
+CUDA graph capture and the on-disk compile cache come later (issue 6)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from compile.compiled_forward import CompiledForward
+    from v1_engine.config import CompilationConfig
+
+
+def build_compiled_forward(model: nn.Module, config: CompilationConfig) -> CompiledForward:
+    """The model's forward behind the piecewise backend with the configured fusion passes.
+
+    Imported lazily by the model runner so an eager engine never loads torch.compile."""
+    from compile.backend import SPLITTING_OPS
+    from compile.compiled_forward import CompiledForward
+    from compile.passes import FUSION_PASSES
+
+    passes = [(name, FUSION_PASSES[name]) for name in config.fusion_passes]
+    return CompiledForward(model, SPLITTING_OPS, passes)

@@ -109,13 +109,65 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be 1, got {self.tensor_parallel_size}")
 
 
+COMPILATION_LEVELS = (0, 1, 2)
+FUSION_PASSES = ("add_rms_norm", "silu_and_mul")
+
+
 @dataclass
 class CompilationConfig:
+    level: int = 0
+    """0: eager. 1: torch.compile, the graph split at the attention ops and each piece compiled
+    by Inductor (piecewise CUDA graphs once they land). 2: reserved for full-graph capture of
+    decode steps on CUDA; on CPU it behaves like 1. 0 by default so the CPU start stays fast."""
     enforce_eager: bool = False
-    """Run the model eagerly: no torch.compile, no CUDA graphs."""
+    """Run the model eagerly whatever the level: no torch.compile, no CUDA graphs."""
+    cudagraph_capture_sizes: list[int] | None = None
+    """Batch sizes to capture CUDA graphs for; None derives them up to
+    max_cudagraph_capture_size (not used until CUDA graph capture lands)."""
+    max_cudagraph_capture_size: int = 512
+    """Largest batch a CUDA graph is captured for (capped by max_num_seqs)."""
+    fusion_passes: list[str] = field(default_factory=list)
+    """Graph rewrites applied before Inductor, from FUSION_PASSES."""
+
+    @classmethod
+    def from_value(cls, value: int | dict[str, Any] | CompilationConfig) -> CompilationConfig:
+        """The `compilation_config` argument: a level (like -O1), a dict of fields, or a config."""
+        if isinstance(value, CompilationConfig):
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, dict)):
+            raise ValueError(  # noqa: TRY004 (user input: ValueError naming the field)
+                f"compilation_config must be an int level in {COMPILATION_LEVELS} or a dict, "
+                f"got {value!r}"
+            )
+        if isinstance(value, int):
+            return cls(level=value)
+        allowed = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - allowed)
+        if unknown:
+            raise ValueError(
+                f"unknown compilation_config keys {unknown}; allowed: {', '.join(sorted(allowed))}"
+            )
+        return cls(**value)
+
+    def effective_level(self) -> int:
+        """The level the model runner applies: 0 when enforce_eager is set."""
+        return 0 if self.enforce_eager else self.level
 
     def verify(self) -> None:
-        pass
+        if self.level not in COMPILATION_LEVELS:
+            raise ValueError(
+                f"compilation level must be one of {COMPILATION_LEVELS}, got {self.level!r}"
+            )
+        if self.max_cudagraph_capture_size < 1:
+            raise ValueError(
+                f"max_cudagraph_capture_size must be >= 1, got {self.max_cudagraph_capture_size}"
+            )
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None and any(not isinstance(s, int) or s < 1 for s in sizes):
+            raise ValueError(f"cudagraph_capture_sizes must be positive ints, got {sizes!r}")
+        unknown = [p for p in self.fusion_passes if p not in FUSION_PASSES]
+        if unknown:
+            raise ValueError(f"fusion_passes must be among {FUSION_PASSES}, got {unknown}")
 
 
 @dataclass
@@ -159,9 +211,10 @@ class EngineConfig:
             for f in dataclasses.fields(cls.__dataclass_fields__[section].default_factory())
         }
         device = kwargs.pop("device", "auto")
+        compilation = CompilationConfig.from_value(kwargs.pop("compilation_config", 0))
         for key, value in kwargs.items():
             if key not in owners:
-                allowed = ", ".join(sorted(owners) + ["device"])
+                allowed = ", ".join(sorted(owners) + ["compilation_config", "device"])
                 raise ValueError(f"unknown engine argument {key!r}; allowed: {allowed}")
             sections[owners[key]][key] = value
         config = cls(
@@ -169,7 +222,7 @@ class EngineConfig:
             cache_config=CacheConfig(**sections["cache_config"]),
             scheduler_config=SchedulerConfig(**sections["scheduler_config"]),
             parallel_config=ParallelConfig(**sections["parallel_config"]),
-            compilation_config=CompilationConfig(**sections["compilation_config"]),
+            compilation_config=dataclasses.replace(compilation, **sections["compilation_config"]),
             speculative_config=SpeculativeConfig(**sections["speculative_config"]),
             device=device,
         )

@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox style: the two halves of each head are rotated together).
+"""Rotary position embedding: neox style (the two halves of each head are rotated together) by
+default, or the interleaved style (adjacent pairs rotated together) DeepSeek models use.
 
 The cos/sin table is computed once for every position up to max_position, in float32, with the
 same operations as the reference implementation so that results match it bit for bit.
@@ -63,24 +64,50 @@ def compute_inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rotary embedding to query [T, Hq, D] and key [T, Hkv, D] at `positions` [T]."""
+    """Applies rotary embedding to query [T, Hq, D] and key [T, Hkv, D] at `positions` [T].
 
-    def __init__(self, head_size: int, max_position: int, inv_freq: torch.Tensor) -> None:
+    `attention_scaling` multiplies cos and sin (YaRN's attention factor; 1 otherwise). The
+    interleaved style (`is_neox_style=False`) rotates pairs (x0, x1), (x2, x3), ... and returns
+    the rotated even elements followed by the rotated odd ones: query and key get the same
+    permutation, so their dot products are those of the interleaved layout.
+    """
+
+    def __init__(
+        self,
+        head_size: int,
+        max_position: int,
+        inv_freq: torch.Tensor,
+        attention_scaling: float = 1.0,
+        is_neox_style: bool = True,
+    ) -> None:
         super().__init__()
         self.head_size = head_size
+        self.is_neox_style = is_neox_style
         inv_freq = inv_freq.to(torch.float32)
         freqs = torch.arange(max_position, dtype=torch.int64).to(torch.float32)[:, None] * inv_freq
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        if attention_scaling != 1.0:
+            cos, sin = cos * attention_scaling, sin * attention_scaling
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = self.head_size // 2
-        x1, x2 = x[..., :half], x[..., half:]
+        if self.is_neox_style:
+            half = self.head_size // 2
+            x1, x2 = x[..., :half], x[..., half:]
+        else:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_neox_style:
+            # The interleaved reference rotates in float32 whatever the model dtype.
+            cos = self.cos_cache[positions][:, None, :]
+            sin = self.sin_cache[positions][:, None, :]
+            rotated_q = self._rotate(query.float(), cos, sin).to(query.dtype)
+            return rotated_q, self._rotate(key.float(), cos, sin).to(key.dtype)
         cos = self.cos_cache[positions].to(query.dtype)[:, None, :]
         sin = self.sin_cache[positions].to(query.dtype)[:, None, :]
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
@@ -94,3 +121,78 @@ def get_rope(head_size: int, max_position: int, rope_parameters: dict[str, Any])
         )
     inv_freq = compute_inv_freq(head_size, rope_parameters)
     return RotaryEmbedding(head_size, max_position, inv_freq)
+
+
+def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_softmax_mscale(rope_parameters: dict[str, Any]) -> float:
+    """The factor DeepSeek applies twice to the softmax scale (query and key each carry one) when
+    a scaled rope sets `mscale_all_dim`; 1 otherwise."""
+    if rope_parameters.get("rope_type", "default") == "default":
+        return 1.0
+    mscale_all_dim = rope_parameters.get("mscale_all_dim", 0)
+    if not mscale_all_dim:
+        return 1.0
+    return _yarn_get_mscale(rope_parameters["factor"], mscale_all_dim)
+
+
+def yarn_inv_freq(
+    rotary_dim: int, params: dict[str, Any], max_position: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN: (inverse frequencies, attention factor). High frequencies are kept, low ones divided
+    by `factor`, with a linear ramp between the beta_fast and beta_slow correction dims; cos/sin
+    are multiplied by the attention factor (mscale / mscale_all_dim when both are given)."""
+    base = float(params["rope_theta"])
+    original_max = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position / original_max
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_get_mscale(factor, mscale) / _yarn_get_mscale(
+                factor, mscale_all_dim
+            )
+        else:
+            attention_factor = _yarn_get_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (rotary_dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # the reference's guard against a zero-width ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2).to(dtype=torch.float32) / rotary_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, float(attention_factor)
+
+
+SCALED_ROPE_TYPES = (*SUPPORTED_ROPE_TYPES, "yarn")
+
+
+def get_scaled_rope(
+    head_size: int,
+    max_position: int,
+    rope_parameters: dict[str, Any],
+    is_neox_style: bool = True,
+) -> RotaryEmbedding:
+    """Like `get_rope`, plus YaRN (inverse frequencies and attention factor) and the choice of
+    rotation style: the rope of MLA models, whose rope part is interleaved."""
+    if rope_parameters.get("rope_type", "default") != "yarn":
+        inv_freq = compute_inv_freq(head_size, rope_parameters)
+        return RotaryEmbedding(head_size, max_position, inv_freq, is_neox_style=is_neox_style)
+    inv_freq, attention_factor = yarn_inv_freq(head_size, rope_parameters, max_position)
+    return RotaryEmbedding(head_size, max_position, inv_freq, attention_factor, is_neox_style)

@@ -163,4 +163,8 @@ def get_model(
             initialize_dummy_weights(model, seed)
         else:
             model.load_weights(safetensors_weights_iterator(Path(path)))
+        # Derived weights (e.g. MLA's absorbed kv_b_proj) are built from either weight source.
+        process = getattr(model, "process_weights_after_loading", None)
+        if process is not None:
+            process()
     return model.eval()

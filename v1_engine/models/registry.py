@@ -6,15 +6,20 @@ from typing import Any
 
 from torch import nn
 
+from v1_engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from v1_engine.models.llama import LlamaForCausalLM
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }
 _MODEL_TYPES: dict[str, str] = {
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",

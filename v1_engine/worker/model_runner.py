@@ -7,6 +7,8 @@ scheduler beyond the SchedulerOutput / ModelRunnerOutput contract.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +53,7 @@ class ModelRunner:
         self.vocab_size = self.hf_config.vocab_size
         self.block_size = config.cache_config.block_size
         self.max_model_len = mc.max_model_len
+        start = time.perf_counter()
         self.model = get_model(
             self.hf_config,
             mc.model,
@@ -59,6 +62,10 @@ class ModelRunner:
             load_format=mc.load_format,
             seed=mc.seed,
         )
+        self.startup_s: dict[str, float] = {"weight load": time.perf_counter() - start}
+        """Startup breakdown in seconds, logged once the forward is ready."""
+        self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model
+        """The model forward as steps call it: the model itself, or its compiled form."""
         self.attn_backend = get_attn_backend(device)
         self.sampler = Sampler()
         self.input_batch = InputBatch(
@@ -114,6 +121,7 @@ class ModelRunner:
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        start = time.perf_counter()
         self.kv_caches = []
         for layer in self.model.attention_layers():
             shape = layer.kv_cache_shape(num_blocks, self.block_size)
@@ -126,6 +134,31 @@ class ModelRunner:
             self.block_size,
             sum(c.numel() * c.element_size() for c in self.kv_caches) / 2**20,
         )
+        self.startup_s["KV allocation"] = time.perf_counter() - start
+        self._compile_forward()
+        logger.info(
+            "startup breakdown: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_s.items())
+        )
+
+    def _compile_forward(self) -> None:
+        """At compilation level >= 1, trace and compile the forward now, on a dummy batch, so
+        the first request pays nothing and serving never compiles."""
+        cc = self.config.compilation_config
+        if cc.effective_level() == 0:
+            return
+        from compile import build_compiled_forward
+
+        compiled = build_compiled_forward(self.model, cc)
+        num_tokens = min(16, self.config.scheduler_config.max_num_batched_tokens)
+        with torch.inference_mode():
+            # Created like a step's inputs (inference tensors): Dynamo guards on it.
+            input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+            positions = torch.arange(num_tokens, device=self.device)
+            with set_forward_context(None, self.attn_backend, self.model.attention_layers()):
+                compiled(input_ids, positions)
+        self.startup_s["Dynamo"] = compiled.dynamo_s
+        self.startup_s["Inductor"] = compiled.stats.inductor_s
+        self._forward = compiled
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -213,7 +246,7 @@ class ModelRunner:
         rows, _, cu, seq_lens, input_ids, positions, metadata = self._prepare_inputs(so, req_ids)
         self._feed_pending_tokens(req_ids, rows, cu, input_ids)
         with set_forward_context(metadata, self.attn_backend, self.model.attention_layers()):
-            hidden = self.model(input_ids, positions)
+            hidden = self._forward(input_ids, positions)
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, cu, hidden)
         batch.num_computed_tokens[rows] = seq_lens
         # Penalties and min_tokens need the previous step's tokens on the host: by now the

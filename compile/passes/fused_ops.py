@@ -1,0 +1,44 @@
+"""The fused ops the fusion passes rewrite patterns into.
+
+Each is an opaque custom op with a PyTorch reference body that computes exactly what the
+unfused pattern computes (same operations, same order, so results are bit-identical). Device
+kernels can be registered on these ops later (`register_kernel("cuda")`) without touching the
+passes; the FP8 quant fusions will follow the same shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.library.custom_op("v1_engine::fused_add_rms_norm", mutates_args=())
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rmsnorm(x + residual), x + residual), the norm computed in float32."""
+    summed = x + residual
+    x32 = summed.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(summed.dtype), summed
+
+
+@fused_add_rms_norm.register_fake
+def _fused_add_rms_norm_fake(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = torch.empty_like(x + residual)
+    normed = torch.empty_like(weight * summed)
+    return normed, summed
+
+
+@torch.library.custom_op("v1_engine::silu_and_mul", mutates_args=())
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] along the last dim → silu(gate) * up."""
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
+
+
+@silu_and_mul.register_fake
+def _silu_and_mul_fake(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))

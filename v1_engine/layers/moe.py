@@ -1,0 +1,225 @@
+"""Mixture of experts: DeepSeek routers, the routed experts' weights and a reference forward.
+
+Routers (scores and selection in float32, like the reference models):
+- V2: softmax scores; `greedy` top-k, or `group_limited_greedy`: experts are split into n_group
+  groups, each group scored by its best expert, only the topk_group best groups stay eligible.
+- V3 (`noaux_tc`): sigmoid scores; a learned e_score_correction_bias is added for the CHOICE only
+  (the weights come from the unbiased scores); each group is scored by the sum of its two best
+  biased scores; weights optionally renormalized (norm_topk_prob).
+Both multiply the weights by routed_scaling_factor.
+
+The reference forward sorts the (token, expert) pairs by expert and runs one GEMM pair per expert
+over its contiguous rows, the same structure as a fused grouped-GEMM kernel. Models call it through
+the custom op `torch.ops.v1_engine.fused_moe`: its data-dependent shapes stay opaque to
+torch.compile (a fake impl gives the output shape), and a kernel replaces the reference behind it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from v1_engine.layers.linear import copy_checked
+
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    num_experts: int
+    top_k: int
+    topk_method: str
+    """One of TOPK_METHODS: greedy / group_limited_greedy use softmax, noaux_tc sigmoid."""
+    num_groups: int = 1
+    topk_group: int = 1
+    renormalize: bool = False
+    """Divide the chosen weights by their sum (before routed_scaling_factor)."""
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method must be one of {TOPK_METHODS}, got {self.topk_method!r}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, {self.num_experts}], got {self.top_k}"
+            )
+        if self.topk_method != "greedy":
+            if self.num_groups < 1 or self.num_experts % self.num_groups:
+                raise ValueError(
+                    f"n_group must divide n_routed_experts ({self.num_experts}), "
+                    f"got {self.num_groups}"
+                )
+            if not 1 <= self.topk_group <= self.num_groups:
+                raise ValueError(
+                    f"topk_group must be in [1, n_group={self.num_groups}], got {self.topk_group}"
+                )
+
+
+def _group_mask(
+    group_scores: torch.Tensor, topk_group: int, experts_per_group: int
+) -> torch.Tensor:
+    """[T, E] True for the experts of each token's topk_group best groups."""
+    best_groups = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    return mask.repeat_interleave(experts_per_group, dim=1)
+
+
+def select_experts(
+    router_logits: torch.Tensor, config: RouterConfig, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] (float32) → (weights [T, top_k] float32, expert ids [T, top_k])."""
+    num_tokens, num_experts = router_logits.shape
+    per_group = num_experts // max(config.num_groups, 1)
+    if config.topk_method == "noaux_tc":
+        scores = router_logits.sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        grouped = choice.view(num_tokens, config.num_groups, per_group)
+        group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
+        mask = _group_mask(group_scores, config.topk_group, per_group)
+        choice = choice.masked_fill(~mask, float("-inf"))
+        ids = choice.topk(config.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+    else:
+        scores = router_logits.softmax(dim=-1, dtype=torch.float32)
+        if config.topk_method == "group_limited_greedy":
+            group_scores = scores.view(num_tokens, config.num_groups, per_group).amax(dim=-1)
+            mask = _group_mask(group_scores, config.topk_group, per_group)
+            scores = scores.masked_fill(~mask, 0.0)
+        weights, ids = scores.topk(config.top_k, dim=-1, sorted=False)
+    if config.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * config.routed_scaling_factor, ids
+
+
+class MoEGate(nn.Module):
+    """The router's linear layer (float32, as in the reference) and, for V3, the score bias."""
+
+    def __init__(self, hidden_size: int, config: RouterConfig, with_correction_bias: bool) -> None:
+        super().__init__()
+        self.config = config
+        weight = torch.empty(config.num_experts, hidden_size, dtype=torch.float32)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        if with_correction_bias:
+            bias = torch.empty(config.num_experts, dtype=torch.float32)
+            self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
+        else:
+            self.register_parameter("e_score_correction_bias", None)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H] → (weights [T, top_k] float32, expert ids [T, top_k])."""
+        logits = F.linear(hidden_states.float(), self.weight.float())
+        return select_experts(logits, self.config, self.e_score_correction_bias)
+
+
+def fused_experts_reference(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Σ_k weight_k · down_e(silu(gate_e(x)) · up_e(x)) over each token's chosen experts.
+
+    hidden [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]. Pairs are sorted by
+    expert so each expert runs two GEMMs on its contiguous rows; results are scattered back with
+    index_add in float32.
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    token_of_row = order // top_k
+    rows = hidden_states.index_select(0, token_of_row)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    outputs = []
+    for expert, row_block in enumerate(rows.split(counts)):
+        if row_block.shape[0] == 0:
+            continue
+        gate, up = F.linear(row_block, w13[expert]).chunk(2, dim=-1)
+        outputs.append(F.linear(F.silu(gate) * up, w2[expert]))
+    expert_out = torch.cat(outputs).float() * topk_weights.reshape(-1)[order, None].float()
+    out = torch.zeros(
+        num_tokens, hidden_states.shape[1], dtype=torch.float32, device=hidden_states.device
+    )
+    out.index_add_(0, token_of_row, expert_out)
+    return out.to(hidden_states.dtype)
+
+
+@torch.library.custom_op("v1_engine::fused_moe", mutates_args=())
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts' output [T, H] (see fused_experts_reference)."""
+    return fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids)
+
+
+@fused_moe.register_fake
+def _fused_moe_fake(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+
+class RoutedExperts(nn.Module):
+    """The routed experts' weights as two 3D tensors: w13 [E, 2I, H] and w2 [E, H, I].
+
+    Checkpoints store them per expert (gate_proj / up_proj / down_proj of expert e) or already
+    stacked (gate_up_proj [E, 2I, H], down_proj [E, H, I]); `weight_loader` takes either, with
+    shard ids ("gate", e), ("up", e), ("down", e), or "gate_up" / "down" for a stacked tensor.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        w13 = torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        self.w13_weight = nn.Parameter(w13, requires_grad=False)
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
+        )
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+
+    def required_shards(self, param_name: str) -> set[object]:
+        """Every shard id that, loaded, fills the parameter (either form counts)."""
+        parts = ("gate", "up") if param_name == "w13_weight" else ("down",)
+        return {(part, e) for part in parts for e in range(self.num_experts)}
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object
+    ) -> set[object]:
+        """Copy one checkpoint tensor; returns the shard ids it covered."""
+        size = self.intermediate_size
+        if shard_id in ("gate_up", "down"):
+            copy_checked(param.data, loaded_weight, f"experts {shard_id}")
+            parts = ("gate", "up") if shard_id == "gate_up" else ("down",)
+            return {(part, e) for part in parts for e in range(self.num_experts)}
+        assert isinstance(shard_id, tuple), f"expert shard id {shard_id!r}"
+        part, expert = shard_id
+        target = param.data[expert]
+        if part == "gate":
+            target = target[:size]
+        elif part == "up":
+            target = target[size:]
+        copy_checked(target, loaded_weight, f"expert {expert} {part}_proj")
+        return {shard_id}
+
+    def forward(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return torch.ops.v1_engine.fused_moe(
+            hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids
+        )
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, intermediate={self.intermediate_size}"
