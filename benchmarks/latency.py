@@ -79,6 +79,9 @@ def main() -> None:
     parser.add_argument("--prefill-lens", default="1024,4096,16384")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument(
+        "--compilation-level", type=int, default=0, help="0 eager, 1 piecewise torch.compile"
+    )
     parser.add_argument("--append", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
@@ -96,14 +99,15 @@ def main() -> None:
         max_num_batched_tokens=max(longest, 8192),
         max_num_seqs=max(batch_sizes),
         enable_prefix_caching=False,
-        enforce_eager=True,
+        compilation_config=args.compilation_level,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
     timed_generate(llm, random_prompts(2, args.input_len, shape.vocab, 99), 4)  # warm-up
+    mode = "eager" if args.compilation_level == 0 else f"compiled -O{args.compilation_level}"
 
     lines = [
         (
-            f"model {args.model} (dummy weights, bf16, eager){'; ' + note if note else ''}; "
+            f"model {args.model} (dummy weights, bf16, {mode}){'; ' + note if note else ''}; "
             f"bf16 GEMM measured {gemm_tflops:.0f} TFLOP/s; HBM roofline {HBM_BYTES_PER_S / 1e12:.2f} "
             "TB/s"
         ),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hf_reference import TINY_CONFIGS, make_tiny_model
@@ -27,10 +29,15 @@ def default_model_dir():
 
 
 @pytest.fixture(scope="session")
-def default_tokenizer(default_model_dir):
+def default_tokenizer(request):
+    """The default model's tokenizer; on a machine without the model package (the GPU machine),
+    its files from $V1ENGINE_TOKENIZER_DIR."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(default_model_dir)
+    directory = os.environ.get("V1ENGINE_TOKENIZER_DIR")
+    if directory is None:
+        directory = request.getfixturevalue("default_model_dir")
+    return AutoTokenizer.from_pretrained(directory)
 
 
 @pytest.fixture(scope="session")
