@@ -16,7 +16,8 @@ from v1_engine.core.request import Request, RequestStatus
 from v1_engine.core.sched_output import SchedulerOutput
 from v1_engine.core.scheduler import Scheduler
 from v1_engine.protocol import EngineCoreOutputs, EngineCoreRequest
-from v1_engine.worker.model_runner import ModelRunner, StepOutput
+from v1_engine.worker.model_runner import ModelRunner
+from v1_engine.worker.step_output import StepOutput
 
 logger = logging.getLogger(__name__)
 

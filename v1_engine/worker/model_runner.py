@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -17,13 +16,14 @@ import torch
 from v1_engine.attention.backend import AttentionMetadata
 from v1_engine.attention.selector import get_attn_backend
 from v1_engine.config import EngineConfig
-from v1_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from v1_engine.core.sched_output import SchedulerOutput
 from v1_engine.forward_context import set_forward_context
 from v1_engine.models.loader import get_model, load_hf_config
 from v1_engine.protocol import LogprobsLists
-from v1_engine.sample.logprobs import LogprobsTensors, compute_prompt_logprobs
+from v1_engine.sample.logprobs import compute_prompt_logprobs
 from v1_engine.sample.metadata import SamplingMetadata
 from v1_engine.sample.sampler import Sampler
+from v1_engine.worker.host_staging import HostStaging
 from v1_engine.worker.input_batch import CachedRequestState, InputBatch
 from v1_engine.worker.kv_sizing import (
     kv_bytes_per_block,
@@ -31,6 +31,7 @@ from v1_engine.worker.kv_sizing import (
     num_kv_blocks_for_budget,
     profile_kv_budget,
 )
+from v1_engine.worker.step_output import PendingTokens, StepOutput, copy_to_host
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +266,7 @@ class ModelRunner:
             req_ids=sample_req_ids,
             positions=[batch.add_placeholder(int(rows[i])) for i in sample_idx],
             device_ids=out.sampled_token_ids,
-            host_ids=_copy_to_host(out.sampled_token_ids),
+            host_ids=copy_to_host(out.sampled_token_ids),
         )
         self._pending = pending
         return StepOutput(
@@ -342,108 +343,3 @@ class ModelRunner:
             targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=self.device)
             result[req_id] = compute_prompt_logprobs(logits, targets, k).to_lists()
         return result
-
-
-class HostStaging:
-    """Host-to-device copies of a step's inputs through pinned buffers, without a sync.
-
-    Two buffer sets alternate, each with an event recorded after its copies: the set a step
-    writes was last used two steps ago, so waiting on its event costs nothing in practice and
-    guarantees the host never overwrites memory a copy is still reading.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.pinned = device.type == "cuda"
-        self._sets: list[dict[str, torch.Tensor]] = [{}, {}]
-        self._copied: list[torch.cuda.Event | None] = [None, None]
-        self._turn = 0
-
-    def stage(self, **arrays: np.ndarray) -> dict[str, torch.Tensor]:
-        if not self.pinned:
-            return {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
-        turn, self._turn = self._turn, self._turn ^ 1
-        buffers = self._sets[turn]
-        if self._copied[turn] is not None:
-            self._copied[turn].synchronize()
-        staged = {}
-        for name, array in arrays.items():
-            host = torch.from_numpy(np.ascontiguousarray(array))
-            buffer = buffers.get(name)
-            if buffer is None or buffer.numel() < host.numel() or buffer.dtype != host.dtype:
-                buffer = torch.empty(max(host.numel() * 2, 1024), dtype=host.dtype).pin_memory()
-                buffers[name] = buffer
-            view = buffer[: host.numel()].view(host.shape)
-            view.copy_(host)
-            staged[name] = view.to(self.device, non_blocking=True)
-        self._copied[turn] = torch.cuda.Event()
-        self._copied[turn].record()
-        return staged
-
-
-def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A non-blocking device-to-host copy into pinned memory (a plain tensor on CPU)."""
-    if tensor.device.type == "cpu":
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    return host
-
-
-@dataclass
-class PendingTokens:
-    """Tokens one step sampled: on the device at once, on the host after the copy lands."""
-
-    req_ids: list[str]
-    positions: list[int]
-    """Where each token sits in its request's sequence."""
-    device_ids: torch.Tensor
-    host_ids: torch.Tensor
-    copy_done: torch.cuda.Event | None = None
-
-    def __post_init__(self) -> None:
-        if self.device_ids.device.type == "cuda":
-            self.copy_done = torch.cuda.Event()
-            self.copy_done.record()
-
-    def host_tokens(self) -> list[int]:
-        if self.copy_done is not None:
-            self.copy_done.synchronize()
-        return self.host_ids.tolist()
-
-
-@dataclass
-class StepOutput:
-    """A launched step. `get_output()` waits for its tokens and builds the runner output."""
-
-    req_ids: list[str]
-    sampled: PendingTokens | None
-    logprobs: LogprobsTensors | None = None
-    num_logprobs: list[int | None] = field(default_factory=list)
-    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-
-    def get_output(self) -> ModelRunnerOutput:
-        sampled_lists: dict[str, list[int]] = {}
-        logprobs: dict[str, LogprobsLists] = {}
-        if self.sampled is not None:
-            tokens = self.sampled.host_tokens()
-            sampled_lists = {r: [t] for r, t in zip(self.sampled.req_ids, tokens)}
-            if self.logprobs is not None:
-                lists = self.logprobs.to_lists()
-                for j, (req_id, want) in enumerate(zip(self.sampled.req_ids, self.num_logprobs)):
-                    if want is not None:
-                        logprobs[req_id] = _take_row(lists, j, want)
-        return ModelRunnerOutput(
-            req_ids=self.req_ids,
-            sampled_token_ids=[sampled_lists.get(r, []) for r in self.req_ids],
-            logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs,
-        )
-
-
-def _take_row(lists: LogprobsLists, row: int, num_logprobs: int) -> LogprobsLists:
-    return LogprobsLists(
-        token_ids=[lists.token_ids[row][: num_logprobs + 1]],
-        logprobs=[lists.logprobs[row][: num_logprobs + 1]],
-        ranks=[lists.ranks[row]],
-    )
