@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from v1_engine.layers.activation import SiluAndMul
+from v1_engine.layers.decoder import PreNormDecoderLayer
 from v1_engine.layers.embedding import LMHead, VocabEmbedding
 from v1_engine.layers.linear import Linear, MergedColumnLinear
 from v1_engine.layers.mla import MLAAttention
@@ -169,7 +170,7 @@ class DeepseekAttention(nn.Module):
         return self.o_proj(self.mla_attn(q_nope, q_pe, kv_c, k_pe.squeeze(1)))
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(
         self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, prefix: str
     ) -> None:
@@ -186,19 +187,6 @@ class DeepseekDecoderLayer(nn.Module):
             )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (sublayer output, residual stream before it): the next norm adds them."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 class DeepseekModel(nn.Module):

@@ -16,6 +16,7 @@ from torch import nn
 
 from v1_engine.layers.activation import SiluAndMul
 from v1_engine.layers.attention import Attention
+from v1_engine.layers.decoder import PreNormDecoderLayer
 from v1_engine.layers.embedding import LMHead, VocabEmbedding
 from v1_engine.layers.linear import Linear, MergedColumnLinear, QKVLinear
 from v1_engine.layers.norm import RMSNorm
@@ -110,26 +111,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, prefix: str) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb, prefix=f"{prefix}.self_attn")
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (sublayer output, residual stream before it): the next norm adds them."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
