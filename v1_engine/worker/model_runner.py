@@ -229,7 +229,7 @@ class ModelRunner:
             seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
         )
         input_ids_t, positions_t = staged["input_ids"], staged["positions"]
-        return rows, num_sched, cu, seq_lens, input_ids_t, positions_t, metadata
+        return rows, cu, seq_lens, input_ids_t, positions_t, metadata
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> StepOutput:
@@ -244,7 +244,7 @@ class ModelRunner:
             return StepOutput(req_ids=[], sampled=None)
         batch = self.input_batch
         req_ids = list(so.num_scheduled_tokens)
-        rows, _, cu, seq_lens, input_ids, positions, metadata = self._prepare_inputs(so, req_ids)
+        rows, cu, seq_lens, input_ids, positions, metadata = self._prepare_inputs(so, req_ids)
         self._feed_pending_tokens(req_ids, rows, cu, input_ids)
         with set_forward_context(metadata, self.attn_backend, self.model.attention_layers()):
             hidden = self._forward(input_ids, positions)
