@@ -119,6 +119,15 @@ def test_cli_defaults_and_flags():
     assert kwargs["served_model_name"] == "m" and kwargs["load_format"] == "dummy"
 
 
+def test_cli_compilation_config():
+    assert "compilation_config" not in engine_kwargs(make_parser().parse_args([]))
+    assert engine_kwargs(make_parser().parse_args(["-O1"]))["compilation_config"] == 1
+    args = make_parser().parse_args(["--compilation-config", '{"level": 1}'])
+    assert engine_kwargs(args)["compilation_config"] == {"level": 1}
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["--compilation-config", "fast"])
+
+
 def test_cli_help_documents_every_flag(capsys):
     with pytest.raises(SystemExit):
         make_parser().parse_args(["--help"])

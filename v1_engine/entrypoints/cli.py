@@ -7,6 +7,7 @@ Flag names are vLLM's where vLLM has the flag, so existing launch scripts carry 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -123,6 +124,15 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "CPU, where nothing can overlap)",
     )
     group.add_argument(
+        "-O",
+        "--compilation-config",
+        dest="compilation_config",
+        type=compilation_value,
+        default=None,
+        help="compilation level (0 eager, 1 piecewise torch.compile, as in -O1) or a JSON object "
+        "of CompilationConfig fields, e.g. '{\"level\": 1}' (default: 0)",
+    )
+    group.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run the model eagerly: no torch.compile, no CUDA graphs",
@@ -136,6 +146,20 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         choices=LOAD_FORMAT_CHOICES,
         help="auto (by path), dummy (random weights of the real config), gguf, safetensors",
     )
+
+
+def compilation_value(text: str) -> int | dict[str, Any]:
+    """-O / --compilation-config: an int level, or a JSON object of CompilationConfig fields."""
+    text = text.strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not an int level or a JSON object: {text!r}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not an int level or a JSON object: {text!r}")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -156,6 +180,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens",
         "gpu_memory_utilization",
         "async_scheduling",
+        "compilation_config",
     )
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
     return kwargs
