@@ -23,3 +23,36 @@ class PreNormDecoderLayer(nn.Module):
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+
+class PreNormDecoderStack(nn.Module):
+    """Subclasses build `embed_tokens`, `layers` (PreNormDecoderLayers) and the final `norm`."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class CausalLMBase(nn.Module):
+    """The causal-LM shell every model shares: a decoder stack `model` and an LM head that may be
+    tied to the input embedding. Subclasses set `self.model` before calling `_init_lm_head`."""
+
+    def _init_lm_head(self, config) -> None:
+        from v1_engine.layers.embedding import LMHead
+
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] (all requests of the step packed) → hidden states [T, H]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden states [N, H] → float32 logits [N, vocab]."""
+        return self.lm_head(hidden_states).float()

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from v1_engine.layers.activation import SiluAndMul
-from v1_engine.layers.decoder import PreNormDecoderLayer
-from v1_engine.layers.embedding import LMHead, VocabEmbedding
+from v1_engine.layers.decoder import CausalLMBase, PreNormDecoderLayer, PreNormDecoderStack
+from v1_engine.layers.embedding import VocabEmbedding
 from v1_engine.layers.linear import Linear, MergedColumnLinear
 from v1_engine.layers.mla import MLAAttention
 from v1_engine.layers.moe import MoEGate, RoutedExperts, RouterConfig
@@ -189,7 +189,7 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class DeepseekModel(nn.Module):
+class DeepseekModel(PreNormDecoderStack):
     def __init__(self, config: Any, prefix: str = "model") -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
@@ -207,34 +207,15 @@ class DeepseekModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
-
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLMBase):
     """DeepSeek-V2 / V2-Lite (and, through the subclass, V3) causal LMs."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
         self.model = DeepseekModel(config, prefix="model")
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] (all requests of the step packed) → hidden states [T, H]."""
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden states [N, H] → float32 logits [N, vocab]."""
-        return self.lm_head(hidden_states).float()
+        self._init_lm_head(config)
 
     def attention_layers(self) -> list[MLAAttention]:
         return [layer.self_attn.mla_attn for layer in self.model.layers]
