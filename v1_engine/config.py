@@ -15,6 +15,8 @@ from typing import Any
 
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMAT_CHOICES = ("auto", "dummy", "gguf", "safetensors")
+QUANTIZATION_CHOICES = (None, "fp8")
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -35,6 +37,10 @@ class ModelConfig:
     """Largest `logprobs` / `prompt_logprobs` a request may ask for."""
     served_model_name: str | None = None
     """Name clients use for the model; defaults to the model path's basename."""
+    quantization: str | None = None
+    """None: weights as stored (an FP8 checkpoint's `quantization_config` is still honoured).
+    "fp8": quantize a bf16/fp16 checkpoint's linear layers to FP8 e4m3 at load (per-channel weight
+    scales, dynamic per-token activation scales)."""
 
     def verify(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -45,6 +51,10 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}"
+            )
 
 
 @dataclass
@@ -61,7 +71,8 @@ class CacheConfig:
     cpu_kv_cache_bytes: int = 1 << 30
     """KV-cache budget on CPU when num_kv_blocks is None."""
     kv_cache_dtype: str = "auto"
-    """KV-cache dtype; auto follows the model dtype."""
+    """KV-cache dtype: auto follows the model dtype; fp8 (= fp8_e4m3) stores K/V in e4m3 with
+    per-layer scales, halving the cache's bytes."""
 
     def verify(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -74,9 +85,10 @@ class CacheConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.kv_cache_dtype != "auto":
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ValueError(
-                f"kv_cache_dtype must be one of ('auto',), got {self.kv_cache_dtype!r}"
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, "
+                f"got {self.kv_cache_dtype!r}"
             )
 
 
