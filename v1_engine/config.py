@@ -127,23 +127,29 @@ FUSION_PASSES = ("add_rms_norm", "silu_and_mul")
 
 @dataclass
 class CompilationConfig:
-    level: int = 0
-    """0: eager. 1: torch.compile, the graph split at the attention ops and each piece compiled
-    by Inductor (piecewise CUDA graphs once they land). 2: reserved for full-graph capture of
-    decode steps on CUDA; on CPU it behaves like 1. 0 by default so the CPU start stays fast."""
+    level: int | None = None
+    """0: eager. 1: torch.compile (the graph split at the attention ops, each piece compiled by
+    Inductor) plus, on CUDA, piecewise CUDA graphs for mixed batches. 2: level 1 plus full-graph
+    capture of uniform decode steps on CUDA (on CPU, 2 behaves like 1). None picks 2 on CUDA and 0
+    on CPU, where compiling costs more start-up time than it saves."""
     enforce_eager: bool = False
     """Run the model eagerly whatever the level: no torch.compile, no CUDA graphs."""
     cudagraph_capture_sizes: list[int] | None = None
-    """Batch sizes to capture CUDA graphs for; None derives them up to
-    max_cudagraph_capture_size (not used until CUDA graph capture lands)."""
+    """Batch sizes (tokens of a piecewise graph, requests of a decode graph) captured in CUDA
+    graphs; a batch is padded up to the next one. None derives them (see capture_sizes)."""
     max_cudagraph_capture_size: int = 512
     """Largest batch a CUDA graph is captured for (capped by max_num_seqs)."""
     fusion_passes: list[str] = field(default_factory=list)
     """Graph rewrites applied before Inductor, from FUSION_PASSES."""
 
     @classmethod
-    def from_value(cls, value: int | dict[str, Any] | CompilationConfig) -> CompilationConfig:
-        """The `compilation_config` argument: a level (like -O1), a dict of fields, or a config."""
+    def from_value(
+        cls, value: int | dict[str, Any] | CompilationConfig | None
+    ) -> CompilationConfig:
+        """The `compilation_config` argument: a level (like -O1), a dict of fields, a config, or
+        None for the device's default level."""
+        if value is None:
+            return cls()
         if isinstance(value, CompilationConfig):
             return value
         if isinstance(value, bool) or not isinstance(value, (int, dict)):
@@ -161,12 +167,26 @@ class CompilationConfig:
             )
         return cls(**value)
 
-    def effective_level(self) -> int:
-        """The level the model runner applies: 0 when enforce_eager is set."""
-        return 0 if self.enforce_eager else self.level
+    def effective_level(self, device_type: str = "cpu") -> int:
+        """The level the model runner applies on `device_type`: 0 when enforce_eager is set."""
+        if self.enforce_eager:
+            return 0
+        if self.level is None:
+            return 2 if device_type == "cuda" else 0
+        return self.level
+
+    def capture_sizes(self, max_num_seqs: int) -> list[int]:
+        """Batch sizes CUDA graphs are captured for, ascending: the configured list, or 1, 2, 4,
+        then every 8 up to 256 and every 16 beyond, up to max_cudagraph_capture_size; both capped
+        by max_num_seqs (a decode batch never has more requests)."""
+        cap = min(self.max_cudagraph_capture_size, max_num_seqs)
+        if self.cudagraph_capture_sizes is not None:
+            return sorted({s for s in self.cudagraph_capture_sizes if s <= cap})
+        sizes = [1, 2, 4, *range(8, 256, 8), *range(256, cap + 1, 16)]
+        return sorted({s for s in sizes if s <= cap} | {cap})
 
     def verify(self) -> None:
-        if self.level not in COMPILATION_LEVELS:
+        if self.level is not None and self.level not in COMPILATION_LEVELS:
             raise ValueError(
                 f"compilation level must be one of {COMPILATION_LEVELS}, got {self.level!r}"
             )
@@ -223,7 +243,7 @@ class EngineConfig:
             for f in dataclasses.fields(cls.__dataclass_fields__[section].default_factory())
         }
         device = kwargs.pop("device", "auto")
-        compilation = CompilationConfig.from_value(kwargs.pop("compilation_config", 0))
+        compilation = CompilationConfig.from_value(kwargs.pop("compilation_config", None))
         for key, value in kwargs.items():
             if key not in owners:
                 allowed = ", ".join(sorted(owners) + ["compilation_config", "device"])

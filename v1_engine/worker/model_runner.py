@@ -6,9 +6,11 @@ scheduler beyond the SchedulerOutput / ModelRunnerOutput contract.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +34,9 @@ from v1_engine.worker.kv_sizing import (
     profile_kv_budget,
 )
 from v1_engine.worker.step_output import PendingTokens, StepOutput, copy_to_host
+
+if TYPE_CHECKING:
+    from compile.cuda_graphs import DecodeCudaGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +81,8 @@ class ModelRunner:
         self._pending: PendingTokens | None = None
         """Tokens sampled by the last step, not yet written into the host-side batch."""
         self._staging = HostStaging(device)
+        self._decode_graphs: DecodeCudaGraphs | None = None
+        """Full CUDA graphs of decode steps (level 2 on CUDA), captured after the KV cache."""
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -119,7 +126,69 @@ class ModelRunner:
             profiled_tokens=sc.max_num_batched_tokens,
             max_model_len=self.max_model_len,
         )
+        reserve = self._cudagraph_reserve_bytes()
+        if reserve:
+            per_block = self.kv_report.bytes_per_block
+            num_blocks -= -(-reserve // per_block)
+            if num_blocks * self.block_size < self.max_model_len:
+                raise ValueError(
+                    f"after reserving {reserve / 2**30:.2f} GiB for CUDA graphs the KV cache holds "
+                    f"{num_blocks * self.block_size} tokens, fewer than max_model_len "
+                    f"({self.max_model_len}): lower max_model_len or max_cudagraph_capture_size, "
+                    "or raise gpu_memory_utilization"
+                )
+            logger.info(
+                "KV cache: %d blocks after reserving %.2f GiB for CUDA graphs",
+                num_blocks,
+                reserve / 2**30,
+            )
         return num_blocks
+
+    def _cudagraph_sizes(self) -> list[int]:
+        """Decode batch sizes to capture full graphs for; empty when graphs are off."""
+        cc = self.config.compilation_config
+        if self.device.type != "cuda" or cc.effective_level("cuda") < 2:
+            return []
+        if not getattr(self.attn_backend, "supports_cudagraph", False):
+            logger.info(
+                "attention backend %s cannot be captured: no CUDA graphs", self.attn_backend
+            )
+            return []
+        from v1_engine.layers.mla import MLAAttention, get_mla_backend
+
+        uses_mla = any(isinstance(x, MLAAttention) for x in self.model.attention_layers())
+        if uses_mla and not getattr(get_mla_backend(self.device), "supports_cudagraph", False):
+            logger.info("the MLA backend cannot be captured: no CUDA graphs")
+            return []
+        return cc.capture_sizes(self.config.scheduler_config.max_num_seqs)
+
+    def _cudagraph_reserve_bytes(self) -> int:
+        """Memory the decode graphs' shared pool will take, measured before the KV pool exists:
+        the peak activations of the largest captured batch (the pool holds about one such
+        forward, as smaller graphs reuse it), plus the graphs' output buffers."""
+        sizes = self._cudagraph_sizes()
+        if not sizes:
+            return 0
+        largest = sizes[-1]
+        forward = make_dummy_forward(
+            self.model,
+            self.attn_backend,
+            largest,
+            1,
+            self.vocab_size,
+            self.device,
+            max_positions=self.max_model_len,
+        )
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        forward()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        hidden = self.hf_config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+        outputs = sum(sizes) * hidden
+        torch.cuda.empty_cache()
+        return peak + outputs
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         start = time.perf_counter()
@@ -137,6 +206,7 @@ class ModelRunner:
         )
         self.startup_s["KV allocation"] = time.perf_counter() - start
         self._compile_forward()
+        self._capture_cuda_graphs()
         logger.info(
             "startup breakdown: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_s.items())
         )
@@ -145,10 +215,12 @@ class ModelRunner:
         """At compilation level >= 1, trace and compile the forward now, on a dummy batch, so
         the first request pays nothing and serving never compiles."""
         cc = self.config.compilation_config
-        if cc.effective_level() == 0:
+        if cc.effective_level(self.device.type) == 0:
             return
         from compile import build_compiled_forward
+        from compile.cache import use_compile_cache
 
+        use_compile_cache(self._compile_cache_parts())
         compiled = build_compiled_forward(self.model, cc)
         num_tokens = min(16, self.config.scheduler_config.max_num_batched_tokens)
         with torch.inference_mode():
@@ -160,6 +232,37 @@ class ModelRunner:
         self.startup_s["Dynamo"] = compiled.dynamo_s
         self.startup_s["Inductor"] = compiled.stats.inductor_s
         self._forward = compiled
+
+    def _compile_cache_parts(self) -> dict[str, object]:
+        """What the compiled code depends on besides torch, triton and our source."""
+        device = self.device.type
+        if device == "cuda":
+            major, minor = torch.cuda.get_device_capability(self.device)
+            device += f"-sm{major}{minor}"
+        return {
+            "model": self.hf_config.to_dict(),
+            "dtype": str(self.dtype),
+            "compilation": dataclasses.asdict(self.config.compilation_config),
+            "max_num_batched_tokens": self.config.scheduler_config.max_num_batched_tokens,
+            "device": device,
+        }
+
+    def _capture_cuda_graphs(self) -> None:
+        sizes = self._cudagraph_sizes()
+        if not sizes:
+            return
+        from compile.cuda_graphs import DecodeCudaGraphs
+
+        graphs = DecodeCudaGraphs(
+            self._forward,
+            sizes,
+            max_blocks_per_req=-(-self.max_model_len // self.block_size),
+            max_seq_len=self.max_model_len,
+            device=self.device,
+        )
+        graphs.capture(self.attn_backend, self.model.attention_layers())
+        self.startup_s["graph capture"] = graphs.capture_s
+        self._decode_graphs = graphs
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -246,8 +349,12 @@ class ModelRunner:
         req_ids = list(so.num_scheduled_tokens)
         rows, cu, seq_lens, input_ids, positions, metadata = self._prepare_inputs(so, req_ids)
         self._feed_pending_tokens(req_ids, rows, cu, input_ids)
-        with set_forward_context(metadata, self.attn_backend, self.model.attention_layers()):
-            hidden = self._forward(input_ids, positions)
+        graphs = self._decode_graphs
+        if graphs is not None and graphs.can_run(metadata):
+            hidden = graphs.run(input_ids, positions, metadata)
+        else:
+            with set_forward_context(metadata, self.attn_backend, self.model.attention_layers()):
+                hidden = self._forward(input_ids, positions)
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, cu, hidden)
         batch.num_computed_tokens[rows] = seq_lens
         # Penalties and min_tokens need the previous step's tokens on the host: by now the

@@ -1,0 +1,162 @@
+"""Full CUDA graphs of decode steps: the whole forward replayed with one launch.
+
+A uniform decode batch (every request computes exactly one token) has a shape fixed by its number
+of requests, so its entire forward pass (the compiled pieces and the attention kernels between
+them) can be captured once per batch size and replayed. Replay costs one launch instead of a few
+hundred, which is what makes small-batch decode memory-bound rather than launch-bound.
+
+Everything a captured graph reads lives in persistent buffers owned here (token ids, positions,
+slot mapping, sequence lengths, block table); a step copies its inputs into them and replays the
+graph of the smallest captured size that holds its batch. Padding rows decode a dummy token: their
+K/V write is skipped (slot -1) and they attend over one cached position, so they stay finite and
+are never read back.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from v1_engine.attention.backend import AttentionMetadata
+from v1_engine.forward_context import set_forward_context
+
+logger = logging.getLogger(__name__)
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    output: torch.Tensor
+    """The graph's output buffer [size, hidden]; valid after each replay until the next one."""
+
+
+class DecodeCudaGraphs:
+    """Whole-forward CUDA graphs of uniform decode batches, one per captured batch size.
+
+    Graphs are captured largest first into one shared memory pool: a graph's intermediate
+    buffers are freed once it is captured, so the next (smaller) graph reuses the same memory and
+    the pool costs about what the largest batch's activations do.
+    """
+
+    def __init__(
+        self,
+        forward: Forward,
+        capture_sizes: Iterable[int],
+        max_blocks_per_req: int,
+        max_seq_len: int,
+        device: torch.device,
+    ) -> None:
+        self.forward = forward
+        self.sizes = sorted(set(capture_sizes))
+        if not self.sizes:
+            raise ValueError("cudagraph capture sizes must not be empty")
+        self.max_seq_len = max_seq_len
+        """The longest context a request may reach: the attention launch is sized for it."""
+        self.device = device
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros((n, max_blocks_per_req), dtype=torch.int32, device=device)
+        self._graphs: dict[int, _Captured] = {}
+        self._pool: tuple[int, int] | None = None
+        self.capture_s = 0.0
+        self.pool_bytes = 0
+        """Device memory the captures took (the shared pool plus graph objects)."""
+        self.num_replays = 0
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        """The captured size a batch of `num_reqs` decode requests runs at, or None."""
+        index = bisect.bisect_left(self.sizes, num_reqs)
+        return self.sizes[index] if index < len(self.sizes) else None
+
+    def can_run(self, metadata: AttentionMetadata) -> bool:
+        """A uniform decode step whose batch fits a captured graph."""
+        return (
+            metadata.max_query_len == 1
+            and metadata.num_actual_tokens == metadata.num_reqs
+            and metadata.num_reqs <= self.max_size
+            and bool(self._graphs)
+        )
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        """Metadata over the persistent buffers, as a captured graph sees it."""
+        return AttentionMetadata(
+            num_actual_tokens=size,
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size],
+            slot_mapping=self.slot_mapping[:size],
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+            query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
+            seq_lens_cpu=torch.ones(size, dtype=torch.int32),
+        )
+
+    @torch.inference_mode()
+    def capture(self, attn_backend: object, attention_layers: list) -> None:
+        """Capture one graph per size, largest first, sharing one memory pool."""
+        start = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        self._pool = torch.cuda.graph_pool_handle()
+        sizes = sorted(self.sizes, reverse=True)
+        for size in tqdm(sizes, desc="Capturing decode CUDA graphs", unit="graph"):
+            metadata = self._metadata(size)
+            input_ids, positions = self.input_ids[:size], self.positions[:size]
+            with set_forward_context(metadata, attn_backend, attention_layers):
+                # Warm-up outside capture: kernels compile and allocators settle here.
+                self.forward(input_ids, positions)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    output = self.forward(input_ids, positions)
+            self._graphs[size] = _Captured(graph, output)
+        torch.cuda.synchronize(self.device)
+        self.pool_bytes = max(free_before - torch.cuda.mem_get_info(self.device)[0], 0)
+        self.capture_s = time.perf_counter() - start
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB",
+            len(sizes),
+            self.sizes[0],
+            self.max_size,
+            self.capture_s,
+            self.pool_bytes / 2**30,
+        )
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """The forward of a decode step by graph replay: hidden states [num_reqs, hidden].
+
+        The returned tensor is the graph's output buffer: read it before the next replay."""
+        n = metadata.num_reqs
+        size = self.padded_size(n)
+        assert size is not None and size in self._graphs, f"no graph holds {n} requests"
+        self.input_ids[:n].copy_(input_ids[:n], non_blocking=True)
+        self.positions[:n].copy_(positions[:n], non_blocking=True)
+        self.slot_mapping[:n].copy_(metadata.slot_mapping[:n], non_blocking=True)
+        self.seq_lens[:n].copy_(metadata.seq_lens, non_blocking=True)
+        width = metadata.block_table.shape[1]
+        self.block_table[:n, :width].copy_(metadata.block_table, non_blocking=True)
+        if size > n:
+            # Rows a larger batch left behind: no cache write, one position to attend over.
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(1)
+        self._graphs[size].graph.replay()
+        self.num_replays += 1
+        return self._graphs[size].output[:n]

@@ -1,0 +1,100 @@
+"""The on-disk compile cache: keys that change with what decides the code, and a warm start that
+skips Inductor's work (measured in fresh processes, so no in-memory cache can help)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from compile import cache
+from v1_engine.config import CompilationConfig, EngineConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_key_depends_on_parts_versions_and_source(monkeypatch):
+    base = cache.cache_key({"model": {"hidden_size": 64}, "dtype": "float32"})
+    assert base == cache.cache_key({"dtype": "float32", "model": {"hidden_size": 64}})
+    assert base != cache.cache_key({"model": {"hidden_size": 65}, "dtype": "float32"})
+    monkeypatch.setattr(cache.torch, "__version__", "0.0.0-other")
+    assert base != cache.cache_key({"model": {"hidden_size": 64}, "dtype": "float32"})
+    monkeypatch.undo()
+    cache.source_hash.cache_clear()
+    monkeypatch.setattr(cache, "source_hash", lambda: "edited")
+    assert base != cache.cache_key({"model": {"hidden_size": 64}, "dtype": "float32"})
+
+
+def test_source_hash_covers_both_packages():
+    digest = cache.source_hash()
+    assert len(digest) == 64 and digest == cache.source_hash()
+
+
+def test_cache_dirs_and_off_switch(monkeypatch, tmp_path):
+    monkeypatch.setenv(cache.CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    directory = cache.use_compile_cache({"x": 1})
+    assert directory is not None and directory.parent == tmp_path
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(directory / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(directory / "triton")
+    assert cache.use_compile_cache({"x": 2}) != directory
+    monkeypatch.setenv(cache.CACHE_ENV_VAR, "off")
+    assert cache.use_compile_cache({"x": 1}) is None
+
+
+def test_default_level_is_two_on_cuda_and_eager_on_cpu():
+    config = EngineConfig.from_kwargs().compilation_config
+    assert config.effective_level("cuda") == 2
+    assert config.effective_level("cpu") == 0
+    assert CompilationConfig(level=1).effective_level("cuda") == 1
+    assert CompilationConfig(enforce_eager=True).effective_level("cuda") == 0
+
+
+def test_capture_sizes():
+    sizes = CompilationConfig().capture_sizes(max_num_seqs=1024)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 512
+    assert 248 in sizes and 256 in sizes and 272 in sizes and 260 not in sizes
+    assert sizes == sorted(set(sizes))
+    assert CompilationConfig().capture_sizes(max_num_seqs=100)[-1] == 100
+    assert CompilationConfig(max_cudagraph_capture_size=8).capture_sizes(64) == [1, 2, 4, 8]
+    explicit = CompilationConfig(cudagraph_capture_sizes=[4, 1, 64, 2])
+    assert explicit.capture_sizes(max_num_seqs=32) == [1, 2, 4]
+
+
+_START = """
+import json, os, sys
+from v1_engine import LLM
+llm = LLM(sys.argv[1], max_model_len=128, num_kv_blocks=32, compilation_config=1)
+runner = llm.engine_core.model_runner
+print(json.dumps({"inductor_s": runner.startup_s["Inductor"],
+                  "dir": os.environ["TORCHINDUCTOR_CACHE_DIR"]}))
+"""
+
+
+def _start(model_dir: Path, cache_root: Path) -> dict:
+    env = dict(os.environ, V1ENGINE_COMPILE_CACHE=str(cache_root), PYTHONPATH=str(REPO))
+    result = subprocess.run(
+        [sys.executable, "-c", _START, str(model_dir)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_warm_start_skips_inductor(tiny_llama_dir, tmp_path):
+    cold = _start(tiny_llama_dir, tmp_path)
+    warm = _start(tiny_llama_dir, tmp_path)
+    assert cold["dir"] == warm["dir"]
+    assert any(Path(cold["dir"]).rglob("*")), "the cold start wrote no artifacts"
+    assert warm["inductor_s"] < 0.5 * cold["inductor_s"], (cold, warm)
