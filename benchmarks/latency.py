@@ -80,7 +80,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument(
-        "--compilation-level", type=int, default=0, help="0 eager, 1 piecewise torch.compile"
+        "--compilation-level",
+        type=int,
+        default=2,
+        help="0 eager, 1 compile + piecewise graphs, 2 also full decode CUDA graphs (default)",
     )
     parser.add_argument("--append", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args()
@@ -103,7 +106,7 @@ def main() -> None:
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
     timed_generate(llm, random_prompts(2, args.input_len, shape.vocab, 99), 4)  # warm-up
-    mode = "eager" if args.compilation_level == 0 else f"compiled -O{args.compilation_level}"
+    mode = "eager -O0" if args.compilation_level == 0 else f"compiled -O{args.compilation_level}"
 
     lines = [
         (

@@ -1,0 +1,85 @@
+"""Full decode CUDA graphs on the GPU: the same greedy tokens as eager, with padded batches, a
+batch larger than the largest graph (eager fallback) and a mixed prefill/decode schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v1_engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, a",
+    "List three prime numbers:",
+    "The quick brown fox",
+    "In 1969, the first",
+]
+
+
+def _greedy(llm: LLM, prompts: list[str], max_tokens: int = 16) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _runner(llm: LLM):
+    return llm.engine_core.model_runner
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, default_tokenizer):
+    from hf_reference import make_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-llama-graphs")
+    make_tiny_model("llama", path, default_tokenizer)
+    return path
+
+
+def _llm(model_dir, **kwargs) -> LLM:
+    return LLM(
+        str(model_dir),
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=128,
+        max_num_seqs=16,
+        **kwargs,
+    )
+
+
+def test_decode_graphs_equal_eager(model_dir):
+    eager = _llm(model_dir, enforce_eager=True)
+    assert _runner(eager)._decode_graphs is None
+    expected = {n: _greedy(eager, PROMPTS[:n]) for n in (1, 3, 6)}
+    del eager
+
+    graphs_llm = _llm(
+        model_dir, compilation_config={"level": 2, "cudagraph_capture_sizes": [1, 2, 4]}
+    )
+    runner = _runner(graphs_llm)
+    graphs = runner._decode_graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4]
+    assert "graph capture" in runner.startup_s
+    for n in (1, 3):  # 3 requests replay the graph of 4 (one padding row)
+        before = graphs.num_replays
+        assert _greedy(graphs_llm, PROMPTS[:n]) == expected[n]
+        assert graphs.num_replays - before >= 10, "decode steps did not replay a graph"
+    before = graphs.num_replays
+    assert _greedy(graphs_llm, PROMPTS[:6]) == expected[6]  # 6 > 4: eager steps, same tokens
+    assert runner._forward.stats.num_traces == 1
+    print(
+        f"decode graphs: capture {graphs.capture_s:.2f} s, pool {graphs.pool_bytes / 2**20:.1f} MiB"
+    )
+
+
+def test_default_model_level2_equals_eager_fp32():
+    kwargs = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 8}
+    eager = _greedy(LLM(enforce_eager=True, **kwargs), PROMPTS[:5], max_tokens=24)
+    torch.cuda.empty_cache()
+    llm = LLM(compilation_config=2, **kwargs)
+    graphs = _runner(llm)._decode_graphs
+    assert graphs is not None and graphs.sizes[-1] == 8
+    assert _greedy(llm, PROMPTS[:5], max_tokens=24) == eager
+    assert graphs.num_replays > 0
