@@ -1,6 +1,7 @@
 """The torch.compile front-end: a piecewise backend that splits the traced forward at the
-attention ops and compiles each piece with Inductor, and fusion passes applied before it.
-CUDA graph capture and the on-disk compile cache come later (issue 6)."""
+attention ops and compiles each piece with Inductor, fusion passes applied before it, CUDA
+graphs (piecewise for any batch, whole-forward for decode batches) and the on-disk compile
+cache."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ if TYPE_CHECKING:
     from v1_engine.config import CompilationConfig
 
 
-def build_compiled_forward(model: nn.Module, config: CompilationConfig) -> CompiledForward:
-    """The model's forward behind the piecewise backend with the configured fusion passes.
+def build_compiled_forward(
+    model: nn.Module, config: CompilationConfig, cudagraphs: bool = False
+) -> CompiledForward:
+    """The model's forward behind the piecewise backend with the configured fusion passes;
+    `cudagraphs` makes its pieces capturable (piecewise CUDA graphs).
 
     Imported lazily by the model runner so an eager engine never loads torch.compile."""
     from compile.backend import SPLITTING_OPS
@@ -22,4 +26,4 @@ def build_compiled_forward(model: nn.Module, config: CompilationConfig) -> Compi
     from compile.passes import FUSION_PASSES
 
     passes = [(name, FUSION_PASSES[name]) for name in config.fusion_passes]
-    return CompiledForward(model, SPLITTING_OPS, passes)
+    return CompiledForward(model, SPLITTING_OPS, passes, cudagraphs=cudagraphs)

@@ -20,6 +20,8 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
+from compile.cuda_graphs import GraphedPiece, PiecewiseState
+
 logger = logging.getLogger(__name__)
 
 SPLITTING_OPS: tuple[str, ...] = ("v1_engine::unified_attention", "v1_engine::mla_attention")
@@ -131,13 +133,17 @@ class PiecewiseBackend:
         splitting_ops: Sequence[str] = SPLITTING_OPS,
         passes: Sequence[tuple[str, GraphPass]] = (),
         use_inductor: bool = True,
+        cudagraphs: bool = False,
     ) -> None:
+        """`cudagraphs` wraps each compiled piece so it can capture and replay piecewise CUDA
+        graphs (driven through `graph_state` by compile.cuda_graphs.PiecewiseCudaGraphs)."""
         self.splitting_ops = tuple(splitting_ops)
         self.passes = tuple(passes)
         self.use_inductor = use_inductor
         self.allow_recompile = True
         self.stats = CompileStats()
         self.split_module: fx.GraphModule | None = None
+        self.graph_state = PiecewiseState() if cudagraphs else None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         if self.stats.num_traces and not self.allow_recompile:
@@ -169,7 +175,14 @@ class PiecewiseBackend:
         fake_inputs = [
             fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs
         ]
-        interpreter = _PieceCompiler(split, set(pieces), compile_fx)
+        compile_piece: Callable[..., Any] = compile_fx
+        state = self.graph_state
+        if state is not None:
+
+            def compile_piece(gm: fx.GraphModule, inputs: list[Any]) -> Any:
+                return GraphedPiece(compile_fx(gm, inputs), state)
+
+        interpreter = _PieceCompiler(split, set(pieces), compile_piece)
         with fake_mode:
             interpreter.run(*fake_inputs)
         self.stats.inductor_s += time.perf_counter() - start

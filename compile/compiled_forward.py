@@ -29,9 +29,10 @@ class CompiledForward:
         splitting_ops: Sequence[str] = SPLITTING_OPS,
         passes: Sequence[tuple[str, GraphPass]] = (),
         use_inductor: bool = True,
+        cudagraphs: bool = False,
     ) -> None:
         self.model = model
-        self.backend = PiecewiseBackend(splitting_ops, passes, use_inductor)
+        self.backend = PiecewiseBackend(splitting_ops, passes, use_inductor, cudagraphs)
         self._compiled = torch.compile(model, backend=self.backend, fullgraph=True)
         self.trace_s = 0.0
         """Wall time of the first call: Dynamo tracing plus the backend's Inductor work."""

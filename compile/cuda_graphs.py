@@ -53,6 +53,7 @@ class DecodeCudaGraphs:
         max_blocks_per_req: int,
         max_seq_len: int,
         device: torch.device,
+        pool: tuple[int, int] | None = None,
     ) -> None:
         self.forward = forward
         self.sizes = sorted(set(capture_sizes))
@@ -69,7 +70,7 @@ class DecodeCudaGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_table = torch.zeros((n, max_blocks_per_req), dtype=torch.int32, device=device)
         self._graphs: dict[int, _Captured] = {}
-        self._pool: tuple[int, int] | None = None
+        self._pool = pool
         self.capture_s = 0.0
         self.pool_bytes = 0
         """Device memory the captures took (the shared pool plus graph objects)."""
@@ -113,7 +114,8 @@ class DecodeCudaGraphs:
         start = time.perf_counter()
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
-        self._pool = torch.cuda.graph_pool_handle()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         sizes = sorted(self.sizes, reverse=True)
         for size in tqdm(sizes, desc="Capturing decode CUDA graphs", unit="graph"):
             metadata = self._metadata(size)
@@ -160,3 +162,182 @@ class DecodeCudaGraphs:
         self._graphs[size].graph.replay()
         self.num_replays += 1
         return self._graphs[size].output[:n]
+
+
+# ---- piecewise graphs -------------------------------------------------------------------------
+
+
+def non_owning(tensor: torch.Tensor) -> torch.Tensor:
+    """A view of `tensor`'s memory that does not keep it allocated.
+
+    A captured piece's outputs live in the shared graph pool. Holding them strongly would pin
+    every size's intermediates at once; a non-owning view lets the next (smaller) capture reuse
+    the memory, which is safe because only one size's graphs replay at a time and each output is
+    consumed before the next replay."""
+    storage = torch._C._construct_storage_from_data_pointer(
+        tensor.untyped_storage().data_ptr(), tensor.device, tensor.untyped_storage().nbytes()
+    )
+    view = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return view.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+def _map_tensors(value: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value
+
+
+@dataclass
+class PiecewiseState:
+    """What the compiled pieces consult on each call: set by PiecewiseCudaGraphs per step."""
+
+    size: int | None = None
+    """Padded token count of this forward, when it runs through graphs; None runs eagerly."""
+    capturing: bool = False
+    pool: tuple[int, int] | None = None
+
+
+@dataclass
+class _PieceGraph:
+    graph: torch.cuda.CUDAGraph
+    input_ptrs: list[int | None]
+    inputs: list[torch.Tensor | None]
+    """Non-owning views of the captured inputs, to copy into if an address ever differs."""
+    output: object
+
+
+class GraphedPiece(torch.nn.Module):
+    """A compiled piece that captures one CUDA graph per padded token count and replays it.
+
+    The pieces of one forward run in a fixed order and every input of a piece is either a
+    parameter, a static input buffer of the runner, or an output of an earlier piece (or the
+    attention output buffer that piece allocated), so replays see the addresses captured. That is
+    checked on every replay; a mismatch copies the input into place rather than read stale memory.
+    """
+
+    def __init__(self, compiled: Callable[..., object], state: PiecewiseState) -> None:
+        super().__init__()
+        self.compiled = compiled
+        self.state = state
+        self.graphs: dict[int, _PieceGraph] = {}
+
+    def forward(self, *args: object) -> object:
+        size = self.state.size
+        if size is None:
+            return self.compiled(*args)
+        if self.state.capturing:
+            return self._capture(size, args)
+        entry = self.graphs.get(size)
+        if entry is None:
+            return self.compiled(*args)
+        for arg, ptr, static in zip(args, entry.input_ptrs, entry.inputs):
+            if ptr is not None and arg.data_ptr() != ptr:  # type: ignore[union-attr]
+                static.copy_(arg)  # type: ignore[union-attr]
+        entry.graph.replay()
+        return entry.output
+
+    def _capture(self, size: int, args: tuple[object, ...]) -> object:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.state.pool):
+            output = self.compiled(*args)
+        tensors = [a if isinstance(a, torch.Tensor) else None for a in args]
+        self.graphs[size] = _PieceGraph(
+            graph=graph,
+            input_ptrs=[t.data_ptr() if t is not None else None for t in tensors],
+            inputs=[non_owning(t) if t is not None else None for t in tensors],
+            output=_map_tensors(output, non_owning),
+        )
+        return output
+
+
+class PiecewiseCudaGraphs:
+    """Piecewise CUDA graphs of the compiled forward: each compiled piece (everything between two
+    attention ops) replays a graph captured for the step's padded token count, and attention runs
+    eagerly between them, so any batch (prefill chunks, decodes, a mix) up to the largest size
+    benefits. Inputs go through static buffers so the first piece always reads the same memory.
+    """
+
+    def __init__(
+        self,
+        forward: Forward,
+        state: PiecewiseState,
+        capture_sizes: Iterable[int],
+        device: torch.device,
+        pool: tuple[int, int] | None = None,
+    ) -> None:
+        self.forward = forward
+        self.state = state
+        self.sizes = sorted(set(capture_sizes))
+        if not self.sizes:
+            raise ValueError("cudagraph capture sizes must not be empty")
+        self.device = device
+        self.pool = pool
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.capture_s = 0.0
+        self.pool_bytes = 0
+        self.num_replays = 0
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        index = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[index] if index < len(self.sizes) else None
+
+    def can_run(self, metadata: AttentionMetadata) -> bool:
+        return metadata.num_actual_tokens <= self.sizes[-1] and self.capture_s > 0
+
+    @torch.inference_mode()
+    def capture(self, attn_backend: object, attention_layers: list) -> None:
+        """Capture every piece for every size, largest first; attention runs on no metadata
+        (it zero-fills its output: values do not matter to a capture, shapes do)."""
+        start = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        self.state.pool = self.pool
+        sizes = sorted(self.sizes, reverse=True)
+        try:
+            for size in tqdm(sizes, desc="Capturing piecewise CUDA graphs", unit="size"):
+                for capturing in (False, True):  # warm-up run, then the capture
+                    self.state.size, self.state.capturing = size, capturing
+                    with set_forward_context(None, attn_backend, attention_layers):
+                        self.forward(self.input_ids[:size], self.positions[:size])
+                    torch.cuda.synchronize(self.device)
+        finally:
+            self.state.size, self.state.capturing = None, False
+        self.pool_bytes = max(free_before - torch.cuda.mem_get_info(self.device)[0], 0)
+        self.capture_s = time.perf_counter() - start
+        logger.info(
+            "captured piecewise CUDA graphs for %d token counts (%d..%d) in %.1f s, %.2f GiB",
+            len(sizes),
+            self.sizes[0],
+            self.sizes[-1],
+            self.capture_s,
+            self.pool_bytes / 2**30,
+        )
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        attn_backend: object,
+        attention_layers: list,
+    ) -> torch.Tensor:
+        """The forward of any step up to the largest size, padded: hidden [num_tokens, hidden]."""
+        n = metadata.num_actual_tokens
+        size = self.padded_size(n)
+        assert size is not None, f"no piecewise graph holds {n} tokens"
+        self.input_ids[:n].copy_(input_ids[:n], non_blocking=True)
+        self.positions[:n].copy_(positions[:n], non_blocking=True)
+        self.state.size = size
+        try:
+            with set_forward_context(metadata, attn_backend, attention_layers):
+                hidden = self.forward(self.input_ids[:size], self.positions[:size])
+        finally:
+            self.state.size = None
+        self.num_replays += 1
+        return hidden[:n]

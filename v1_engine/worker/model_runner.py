@@ -36,7 +36,7 @@ from v1_engine.worker.kv_sizing import (
 from v1_engine.worker.step_output import PendingTokens, StepOutput, copy_to_host
 
 if TYPE_CHECKING:
-    from compile.cuda_graphs import DecodeCudaGraphs
+    from compile.cuda_graphs import DecodeCudaGraphs, PiecewiseCudaGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,8 @@ class ModelRunner:
         self._staging = HostStaging(device)
         self._decode_graphs: DecodeCudaGraphs | None = None
         """Full CUDA graphs of decode steps (level 2 on CUDA), captured after the KV cache."""
+        self._piecewise_graphs: PiecewiseCudaGraphs | None = None
+        """Piecewise CUDA graphs of any step up to the largest size (level >= 1 on CUDA)."""
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -145,9 +147,10 @@ class ModelRunner:
         return num_blocks
 
     def _cudagraph_sizes(self) -> list[int]:
-        """Decode batch sizes to capture full graphs for; empty when graphs are off."""
+        """Sizes to capture CUDA graphs for (tokens for piecewise graphs, requests for decode
+        graphs); empty when graphs are off (CPU, level 0, a backend that cannot be captured)."""
         cc = self.config.compilation_config
-        if self.device.type != "cuda" or cc.effective_level("cuda") < 2:
+        if self.device.type != "cuda" or cc.effective_level("cuda") < 1:
             return []
         if not getattr(self.attn_backend, "supports_cudagraph", False):
             logger.info(
@@ -163,9 +166,9 @@ class ModelRunner:
         return cc.capture_sizes(self.config.scheduler_config.max_num_seqs)
 
     def _cudagraph_reserve_bytes(self) -> int:
-        """Memory the decode graphs' shared pool will take, measured before the KV pool exists:
-        the peak activations of the largest captured batch (the pool holds about one such
-        forward, as smaller graphs reuse it), plus the graphs' output buffers."""
+        """Memory the graphs' shared pool will take, measured before the KV pool exists: the peak
+        activations of the largest captured batch (the pool holds about one such forward, as
+        smaller graphs reuse it), plus the decode graphs' output buffers."""
         sizes = self._cudagraph_sizes()
         if not sizes:
             return 0
@@ -221,7 +224,7 @@ class ModelRunner:
         from compile.cache import use_compile_cache
 
         use_compile_cache(self._compile_cache_parts())
-        compiled = build_compiled_forward(self.model, cc)
+        compiled = build_compiled_forward(self.model, cc, cudagraphs=bool(self._cudagraph_sizes()))
         num_tokens = min(16, self.config.scheduler_config.max_num_batched_tokens)
         with torch.inference_mode():
             # Created like a step's inputs (inference tensors): Dynamo guards on it.
@@ -248,21 +251,32 @@ class ModelRunner:
         }
 
     def _capture_cuda_graphs(self) -> None:
+        """Level 1: piecewise graphs for every step up to the largest size; level 2 also whole-
+        forward graphs of decode steps. One memory pool serves both."""
         sizes = self._cudagraph_sizes()
-        if not sizes:
+        state = getattr(getattr(self._forward, "backend", None), "graph_state", None)
+        if not sizes or state is None:
             return
-        from compile.cuda_graphs import DecodeCudaGraphs
+        from compile.cuda_graphs import DecodeCudaGraphs, PiecewiseCudaGraphs
 
-        graphs = DecodeCudaGraphs(
-            self._forward,
-            sizes,
-            max_blocks_per_req=-(-self.max_model_len // self.block_size),
-            max_seq_len=self.max_model_len,
-            device=self.device,
-        )
-        graphs.capture(self.attn_backend, self.model.attention_layers())
-        self.startup_s["graph capture"] = graphs.capture_s
-        self._decode_graphs = graphs
+        layers = self.model.attention_layers()
+        pool = torch.cuda.graph_pool_handle()
+        start = time.perf_counter()
+        if self.config.compilation_config.effective_level("cuda") >= 2:
+            decode = DecodeCudaGraphs(
+                self._forward,
+                sizes,
+                max_blocks_per_req=-(-self.max_model_len // self.block_size),
+                max_seq_len=self.max_model_len,
+                device=self.device,
+                pool=pool,
+            )
+            decode.capture(self.attn_backend, layers)
+            self._decode_graphs = decode
+        piecewise = PiecewiseCudaGraphs(self._forward, state, sizes, self.device, pool=pool)
+        piecewise.capture(self.attn_backend, layers)
+        self._piecewise_graphs = piecewise
+        self.startup_s["graph capture"] = time.perf_counter() - start
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -349,12 +363,7 @@ class ModelRunner:
         req_ids = list(so.num_scheduled_tokens)
         rows, cu, seq_lens, input_ids, positions, metadata = self._prepare_inputs(so, req_ids)
         self._feed_pending_tokens(req_ids, rows, cu, input_ids)
-        graphs = self._decode_graphs
-        if graphs is not None and graphs.can_run(metadata):
-            hidden = graphs.run(input_ids, positions, metadata)
-        else:
-            with set_forward_context(metadata, self.attn_backend, self.model.attention_layers()):
-                hidden = self._forward(input_ids, positions)
+        hidden = self._run_forward(input_ids, positions, metadata)
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, cu, hidden)
         batch.num_computed_tokens[rows] = seq_lens
         # Penalties and min_tokens need the previous step's tokens on the host: by now the
@@ -383,6 +392,20 @@ class ModelRunner:
             num_logprobs=[batch.states[r].sampling_params.logprobs for r in sample_req_ids],
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _run_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states of the step: a decode graph, piecewise graphs, or the plain forward."""
+        layers = self.model.attention_layers()
+        decode = self._decode_graphs
+        if decode is not None and decode.can_run(metadata):
+            return decode.run(input_ids, positions, metadata)
+        piecewise = self._piecewise_graphs
+        if piecewise is not None and piecewise.can_run(metadata):
+            return piecewise.run(input_ids, positions, metadata, self.attn_backend, layers)
+        with set_forward_context(metadata, self.attn_backend, layers):
+            return self._forward(input_ids, positions)
 
     def _feed_pending_tokens(
         self, req_ids: list[str], rows: np.ndarray, cu: np.ndarray, input_ids: torch.Tensor
