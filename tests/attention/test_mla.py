@@ -202,3 +202,18 @@ def test_latent_cache_bytes_per_token(layers, heads, latent_bytes, per_head_byte
     assert kv_bytes_per_block(mla_layers, 16, torch.bfloat16) == 16 * latent_bytes
     saved = 1 - latent_bytes / per_head_bytes
     assert saved == pytest.approx(0.8875 if heads == 16 else 0.98594, abs=1e-4)
+
+
+def test_absorb_keeps_one_copy_of_kv_b_proj():
+    """W_UK and W_UV are views of kv_b_proj's weight: absorption adds no second copy, and a
+    weight changed in place (a reload) is what attention sees."""
+    kv_b = torch.randn(HEADS * (NOPE + V), RANK)
+    layer = MLAAttention(HEADS, NOPE, ROPE, V, RANK, SCALE, "l")
+    layer.absorb(kv_b)
+    base = kv_b.untyped_storage().data_ptr()
+    assert layer.w_uk.untyped_storage().data_ptr() == base
+    assert layer.w_uv.untyped_storage().data_ptr() == base
+    per_head = kv_b.view(HEADS, NOPE + V, RANK)
+    torch.testing.assert_close(layer.w_uv, per_head[:, NOPE:].transpose(1, 2), atol=0, rtol=0)
+    kv_b.mul_(2.0)
+    torch.testing.assert_close(layer.w_uk, per_head[:, :NOPE], atol=0, rtol=0)

@@ -150,3 +150,37 @@ def test_router_config_rejects_bad_groups():
         RouterConfig(NUM_EXPERTS, 2, "group_limited_greedy", num_groups=4, topk_group=5)
     with pytest.raises(ValueError, match="topk_method must be one of"):
         RouterConfig(NUM_EXPERTS, 2, "random")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["v2-qlora-grouped", "v3-yarn-grouped-mtp"])
+def test_gpu_tiny_deepseek_through_kernels_matches_hf_greedy(variant, tmp_path, default_tokenizer):
+    """On CUDA the engine runs the Triton MLA decode kernel and the fused MoE kernels (float32,
+    IEEE dots): greedy tokens equal Hugging Face's, over prefill, chunked prefill and decode."""
+    from hf_reference import hf_greedy
+    from test_deepseek_vs_hf import save_tiny_deepseek
+
+    from v1_engine import LLM, SamplingParams
+    from v1_engine.attention.mla_triton import TritonMLABackend
+    from v1_engine.layers.mla import get_mla_backend
+
+    hf_model = save_tiny_deepseek(variant, tmp_path, seed=5, tokenizer=default_tokenizer)
+    llm = LLM(
+        model=str(tmp_path),
+        dtype="float32",
+        max_model_len=128,
+        num_kv_blocks=64,
+        block_size=4,
+        max_num_batched_tokens=16,
+    )
+    assert llm.engine_core.model_runner.device.type == "cuda"
+    assert isinstance(get_mla_backend(torch.device("cuda")), TritonMLABackend)
+    generator = torch.Generator().manual_seed(11)
+    prompts = [
+        torch.randint(3, hf_model.config.vocab_size, (n,), generator=generator).tolist()
+        for n in (1, 6, 19, 30)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    expected = [hf_greedy(hf_model, p, 10, exact=True) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outputs] == expected

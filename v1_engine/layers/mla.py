@@ -16,14 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from v1_engine.attention.mla_cpu import CPUMLABackend
+from v1_engine.attention.selector import get_mla_backend
 from v1_engine.forward_context import get_forward_context
-
-
-def get_mla_backend(device: torch.device) -> CPUMLABackend:
-    """The MLA implementation for `device`. Every device runs the PyTorch reference for now; a
-    paged decode kernel plugs in here, behind the same `forward` signature."""
-    return CPUMLABackend()
 
 
 @torch.library.custom_op("v1_engine::mla_attention", mutates_args=("output",))
@@ -115,13 +109,17 @@ class MLAAttention(nn.Module):
 
     @torch.no_grad()
     def absorb(self, kv_b_weight: torch.Tensor) -> None:
-        """Split kv_b_proj's weight [H * (nope + v), kv_lora_rank] into W_UK and W_UV."""
+        """Split kv_b_proj's weight [H * (nope + v), kv_lora_rank] into W_UK and W_UV.
+
+        Both are strided VIEWS of that weight, not copies: decode (absorbed) and prefill
+        (expanded) only ever use W_UK and W_UV, so the model holds kv_b_proj's values once. The
+        batched matmuls take the strides as they are (W_UV is column-major per head)."""
         per_head = kv_b_weight.view(
             self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
         )
         w_uk, w_uv = per_head.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
-        self.w_uk = w_uk.contiguous()
-        self.w_uv = w_uv.transpose(1, 2).contiguous()
+        self.w_uk = w_uk
+        self.w_uv = w_uv.transpose(1, 2)
 
     def forward(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor

@@ -11,7 +11,9 @@ Both multiply the weights by routed_scaling_factor.
 The reference forward sorts the (token, expert) pairs by expert and runs one GEMM pair per expert
 over its contiguous rows, the same structure as a fused grouped-GEMM kernel. Models call it through
 the custom op `torch.ops.v1_engine.fused_moe`: its data-dependent shapes stay opaque to
-torch.compile (a fake impl gives the output shape), and a kernel replaces the reference behind it.
+torch.compile (a fake impl gives the output shape). On CUDA the op runs the fused Triton kernels
+of kernels/triton_moe.py (align by expert, grouped GEMMs with SiLU-and-mul fused, no host sync);
+every other device runs the reference.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from torch import nn
 from v1_engine.layers.linear import copy_checked
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+FP8_BLOCK = 128
+"""Block-FP8 experts carry one float32 scale per FP8_BLOCK x FP8_BLOCK block of each weight."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,36 @@ def fused_experts_reference(
     return out.to(hidden_states.dtype)
 
 
+def dequantize_block_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 experts from e4m3 weight [E, N, K] and float32 scale [E, ceil(N/128),
+    ceil(K/128)] (one scale per 128x128 block)."""
+    _, n, k = weight.shape
+    expanded = scale.float().repeat_interleave(FP8_BLOCK, dim=1)[:, :n]
+    return weight.float() * expanded.repeat_interleave(FP8_BLOCK, dim=2)[:, :, :k]
+
+
+def _fused_moe_reference(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    if w13_scale is None:
+        return fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids)
+    assert w2_scale is not None, "block-FP8 experts need both scales"
+    out = fused_experts_reference(
+        hidden_states.float(),
+        dequantize_block_fp8(w13, w13_scale),
+        dequantize_block_fp8(w2, w2_scale),
+        topk_weights,
+        topk_ids,
+    )
+    return out.to(hidden_states.dtype)
+
+
 @torch.library.custom_op("v1_engine::fused_moe", mutates_args=())
 def fused_moe(
     hidden_states: torch.Tensor,
@@ -154,9 +188,28 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The routed experts' output [T, H] (see fused_experts_reference)."""
-    return fused_experts_reference(hidden_states, w13, w2, topk_weights, topk_ids)
+    """The routed experts' output [T, H] (see fused_experts_reference). Block-FP8 experts
+    (e4m3 w13 / w2) come with float32 scales per 128x128 block; the reference dequantizes them."""
+    return _fused_moe_reference(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+
+
+@fused_moe.register_kernel("cuda")
+def _fused_moe_cuda(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """On CUDA: the fused Triton kernels (kernels/triton_moe.py), without a host sync."""
+    from v1_engine.kernels.triton_moe import fused_moe_triton
+
+    return fused_moe_triton(hidden_states, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
 
 @fused_moe.register_fake
@@ -166,6 +219,8 @@ def _fused_moe_fake(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return torch.empty_like(hidden_states)
 

@@ -1,0 +1,272 @@
+"""The Triton MLA decode kernel and backend against PyTorch references.
+
+Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1) on tiny shapes:
+block tables with shuffled blocks, several cache blocks per request, split-KV with its merge,
+more heads than one head tile, sizes that are not powers of two, and mixed batches whose prefill
+rows the kernel must leave alone. The `gpu` cases run DeepSeek-V2-Lite (16 heads) and V3
+(128 heads) shapes: kv_lora_rank 512, rope 64, block sizes 16 and 64. Outputs are poisoned
+with NaN first, so an unwritten element fails the comparison.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+_CUDA = torch.cuda.is_available()
+if not _CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+if not _CUDA and "v1_engine.kernels.triton_mla" in sys.modules:
+    importlib.reload(sys.modules["v1_engine.kernels.triton_mla"])
+
+from v1_engine.attention.backend import AttentionMetadata
+from v1_engine.attention.mla_cpu import CPUMLABackend
+from v1_engine.attention.mla_triton import TritonMLABackend
+from v1_engine.attention.selector import BACKEND_ENV_VAR, get_mla_backend
+from v1_engine.kernels.triton_mla import mla_decode, write_latent_cache
+
+interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
+DEVICE = "cuda" if _CUDA else "cpu"
+
+
+def make_latent_case(seq_lens, block_size, rank, rope, dtype, seed, extra_blocks=3):
+    """A random latent cache whose blocks are handed out in shuffled order, and block tables."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + extra_blocks
+    cache = torch.randn(num_blocks, block_size, rank + rope, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), max(blocks_per_req), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_req):
+        table[i, :n] = order[used : used + n].int()
+        used += n
+    return cache.to(DEVICE, dtype), table.to(DEVICE)
+
+
+def reference_decode(q_nope, q_pe, cache, table, seq_lens, scale):
+    """Float64 absorbed attention per request: [B, H, R]."""
+    rank = q_nope.shape[-1]
+    block_size = cache.shape[1]
+    outs = []
+    for b, n in enumerate(seq_lens):
+        blocks = table[b, : -(-n // block_size)].long()
+        latent = cache[blocks].reshape(-1, cache.shape[-1])[:n].double()
+        scores = q_nope[b].double() @ latent[:, :rank].T + q_pe[b].double() @ latent[:, rank:].T
+        outs.append((scores * scale).softmax(-1) @ latent[:, :rank])
+    return torch.stack(outs)
+
+
+def _queries(num_tokens, heads, rank, rope, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q_nope = torch.randn(num_tokens, heads, rank, generator=gen) * 0.3
+    q_pe = torch.randn(num_tokens, heads, rope, generator=gen) * 0.3
+    return q_nope.to(DEVICE, dtype), q_pe.to(DEVICE, dtype)
+
+
+def _run_decode(seq_lens, heads, rank, rope, block_size, dtype, num_splits, seed=0):
+    cache, table = make_latent_case(seq_lens, block_size, rank, rope, dtype, seed)
+    q_nope, q_pe = _queries(len(seq_lens), heads, rank, rope, dtype, seed + 1)
+    scale = 0.7 / (rank + rope) ** 0.5
+    out = torch.full_like(q_nope, float("nan"))
+    starts = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    mla_decode(q_nope, q_pe, cache, table, lens, starts, max(seq_lens), scale, out, num_splits)
+    return out, reference_decode(q_nope, q_pe, cache, table, seq_lens, scale)
+
+
+@interpreter_only
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize(
+    "heads, rank, rope, block_size",
+    [(20, 32, 16, 4), (4, 24, 8, 16)],
+    ids=["two-head-tiles", "padded-dims"],
+)
+def test_decode_float32_matches_reference(heads, rank, rope, block_size, num_splits):
+    """Eight splits over a 3-tile request leave splits with no key: the merge must ignore them."""
+    out, want = _run_decode(
+        [1, 7, 40, 33], heads, rank, rope, block_size, torch.float32, num_splits
+    )
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@interpreter_only
+def test_decode_bfloat16_close_to_reference():
+    out, want = _run_decode([5, 38], 16, 32, 16, 8, torch.bfloat16, num_splits=2)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+
+
+@interpreter_only
+def test_decode_leaves_prefill_and_empty_requests_alone():
+    """Request 1 is a 3-token prefill chunk and request 2 an empty (padding) request: their rows
+    keep the poison; the decode requests around them are computed."""
+    heads, rank, rope = 4, 32, 16
+    seq_lens = [9, 12, 1, 20]
+    starts = torch.tensor([0, 1, 4, 4, 5], dtype=torch.int32, device=DEVICE)
+    cache, table = make_latent_case(seq_lens, 4, rank, rope, torch.float32, seed=3)
+    q_nope, q_pe = _queries(5, heads, rank, rope, torch.float32, seed=4)
+    out = torch.full_like(q_nope, float("nan"))
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    for splits in (1, 2):
+        mla_decode(q_nope, q_pe, cache, table, lens, starts, 20, 0.2, out, num_splits=splits)
+        assert out[1:4].isnan().all()
+        decode_tokens, decode_reqs = [0, 4], [0, 3]
+        want = reference_decode(
+            q_nope[decode_tokens],
+            q_pe[decode_tokens],
+            cache,
+            table[decode_reqs],
+            [seq_lens[r] for r in decode_reqs],
+            0.2,
+        )
+        torch.testing.assert_close(out[decode_tokens].double(), want, atol=1e-5, rtol=1e-5)
+
+
+@interpreter_only
+def test_latent_write_skips_padding_slots():
+    cache = torch.zeros(3, 4, 24)
+    kv_c = torch.randn(3, 16)
+    k_pe = torch.randn(3, 8)
+    write_latent_cache(kv_c, k_pe, cache, torch.tensor([5, -1, 11]))
+    flat = cache.view(-1, 24)
+    torch.testing.assert_close(flat[5], torch.cat([kv_c[0], k_pe[0]]))
+    torch.testing.assert_close(flat[11], torch.cat([kv_c[2], k_pe[2]]))
+    assert flat.abs().sum(-1).nonzero().flatten().tolist() == [5, 11]
+
+
+def _mixed_step(heads, nope, rope, v, rank, block_size, context_lens, query_lens, dtype, seed):
+    """A step of decode and prefill requests: (inputs, metadata, w_uk, w_uv, cache)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    cache, table = make_latent_case(seq_lens, block_size, rank, rope, dtype, seed)
+    slots = [
+        int(table[i, p // block_size]) * block_size + p % block_size
+        for i, (c, n) in enumerate(zip(context_lens, seq_lens))
+        for p in range(c, n)
+    ]
+    num_tokens = sum(query_lens)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_actual_tokens=num_tokens,
+        query_start_loc=starts.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_table=table,
+        slot_mapping=torch.tensor(slots, device=DEVICE),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+    )
+    kv_b = torch.randn(heads, nope + v, rank, generator=gen) * rank**-0.5
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+    inputs = (rand(num_tokens, heads, nope), rand(num_tokens, heads, rope))
+    inputs += (rand(num_tokens, rank), rand(num_tokens, rope))
+    kv_b = kv_b.to(DEVICE, dtype)
+    w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:].transpose(1, 2)
+    return inputs, metadata, w_uk, w_uv, cache
+
+
+def _compare_backends(step, scale, atol, num_splits=None):
+    inputs, metadata, w_uk, w_uv, cache = step
+    outputs, caches = [], []
+    for backend in (CPUMLABackend(), TritonMLABackend(num_splits=num_splits)):
+        c = cache.clone()
+        out = torch.full(
+            (inputs[0].shape[0] + 2, w_uk.shape[0], w_uv.shape[2]),
+            float("nan"),
+            dtype=inputs[0].dtype,
+            device=DEVICE,
+        )
+        padded = [torch.cat([x, x[:2]]) for x in inputs]  # two padding rows past num_actual
+        backend.forward(*padded, c, metadata, w_uk, w_uv, scale, out)
+        outputs.append(out)
+        caches.append(c)
+    torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)
+    assert not outputs[1][-2:].any()
+    torch.testing.assert_close(outputs[1].float(), outputs[0].float(), atol=atol, rtol=atol)
+
+
+@interpreter_only
+@pytest.mark.parametrize(
+    "context_lens, query_lens",
+    [([6, 4, 0, 30], [1, 3, 5, 1]), ([9, 17, 2], [1, 1, 1])],
+    ids=["mixed", "decode-only"],
+)
+def test_backend_matches_cpu_reference(context_lens, query_lens):
+    step = _mixed_step(4, 16, 8, 12, 32, 4, context_lens, query_lens, torch.float32, seed=5)
+    _compare_backends(step, scale=(16 + 8) ** -0.5, atol=1e-5, num_splits=2)
+
+
+def test_selector_picks_the_mla_backend(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV_VAR, "cpu")
+    assert isinstance(get_mla_backend(torch.device(DEVICE)), CPUMLABackend)
+    monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
+    assert isinstance(get_mla_backend(torch.device(DEVICE)), TritonMLABackend)
+    monkeypatch.setenv(BACKEND_ENV_VAR, "flash")
+    with pytest.raises(ValueError, match="must be one of"):
+        get_mla_backend(torch.device(DEVICE))
+
+
+def test_decode_rejects_mismatched_cache():
+    q = torch.zeros(1, 2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        mla_decode(
+            q,
+            torch.zeros(1, 2, 16, device=DEVICE),
+            torch.zeros(2, 4, 40, device=DEVICE),
+            torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
+            torch.ones(1, dtype=torch.int32, device=DEVICE),
+            torch.arange(2, dtype=torch.int32, device=DEVICE),
+            1,
+            1.0,
+            torch.empty_like(q),
+        )
+
+
+# ---- GPU: DeepSeek shapes -------------------------------------------------------------------
+
+
+def _random_seq_lens(batch: int, longest: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, longest + 1, (batch,), generator=gen).tolist()
+    lens[0] = longest
+    return lens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("heads", [16, 128], ids=["v2-lite", "v3"])
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_gpu_decode_deepseek_shapes(heads, block_size, dtype, num_splits):
+    seq_lens = _random_seq_lens(12, 4096, seed=heads + block_size)
+    out, want = _run_decode(seq_lens, heads, 512, 64, block_size, dtype, num_splits, seed=heads)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 64])
+def test_gpu_decode_float32_is_tight(batch):
+    seq_lens = _random_seq_lens(batch, 1000, seed=batch)
+    out, want = _run_decode(seq_lens, 16, 512, 64, 16, torch.float32, None, seed=batch)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128], ids=["v2-lite", "v3"])
+def test_gpu_backend_mixed_step_matches_cpu_reference(heads):
+    """Decode requests and prefill chunks over cached context in one step, DeepSeek sizes."""
+    step = _mixed_step(
+        heads, 128, 64, 128, 512, 16, [300, 0, 77, 1000], [1, 40, 9, 1], torch.bfloat16, seed=6
+    )
+    _compare_backends(step, scale=192**-0.5, atol=2e-2)

@@ -1,0 +1,464 @@
+"""Multi-head Latent Attention decode in Triton: paged latent cache, split-KV, head tiles.
+
+The cache holds one entry per token shared by every head: the latent `c` (kv_lora_rank values)
+followed by the rotated rope key `k_pe` (rope_dim values). After weight absorption each head's
+query is `q_nope` in the latent space (kv_lora_rank) plus `q_pe` (rope_dim), and
+
+    score(h, t) = q_nope[h] . c[t] + q_pe[h] . k_pe[t],     out[h] = softmax_t(score) @ c
+
+so the keys AND the values are the same cached latents. The output stays in the latent space;
+the layer maps it through W_UV afterwards.
+
+Work decomposition. A program owns one decode request, a tile of BLOCK_H heads and one split of
+the request's sequence. Every latent it loads feeds all BLOCK_H heads (scores as one
+[BLOCK_H, R] x [R, TILE] product, values as [BLOCK_H, TILE] x [TILE, R]), so with heads <= BLOCK_H
+each cached byte is read once per step, and once per head tile beyond that (the other tiles
+usually find it in L2).
+
+Split-KV (flash-decoding). With few requests the (request, head tile) programs cannot fill the
+device, so the sequence is cut into `num_splits` pieces handled by separate programs; each writes
+its output normalised by its own softmax sum plus its log-sum-exp, and a second kernel merges
+the pieces per (request, head).
+
+Only decode requests (query length 1) are served: a program whose request has another query
+length returns at once, so a mixed batch can be passed as is (prefill chunks go through the
+expanded form elsewhere). Everything per request comes from device tensors (query_start_loc,
+seq_lens, block_table); the host passes only python ints, so a launch can be captured in a CUDA
+graph.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DEFAULT_BLOCK_H = 16
+"""Heads per program: the smallest M a tensor-core dot takes; 16 covers DeepSeek-V2-Lite."""
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _mla_decode_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    q_nope_ptr,
+    q_pe_ptr,
+    cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale_log2,
+    num_splits,
+    stride_qn_t,
+    stride_qn_h,
+    stride_qp_t,
+    stride_qp_h,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    RANK: tl.constexpr,
+    ROPE: tl.constexpr,
+    RANK_PAD: tl.constexpr,
+    ROPE_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    TILE: tl.constexpr,
+    USE_SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head_tile = tl.program_id(1)
+    split = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
+        return  # not a decode request (a prefill chunk, or an empty padding request)
+    token = q_start.to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + req)
+
+    heads = head_tile * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_valid = heads < NUM_HEADS
+    dims = tl.arange(0, RANK_PAD)
+    dim_valid = dims < RANK
+    rope_dims = tl.arange(0, ROPE_PAD)
+    rope_valid = rope_dims < ROPE
+    q_nope = tl.load(
+        q_nope_ptr + token * stride_qn_t + heads[:, None] * stride_qn_h + dims[None, :],
+        mask=head_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    q_pe = tl.load(
+        q_pe_ptr + token * stride_qp_t + heads[:, None] * stride_qp_h + rope_dims[None, :],
+        mask=head_valid[:, None] & rope_valid[None, :],
+        other=0.0,
+    )
+    if DOT_F32:
+        q_nope = q_nope.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+
+    num_tiles = tl.cdiv(seq_len, TILE)
+    if USE_SPLITS:
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    # A finite initial max keeps exp2(m_i - m_new) finite for splits that see no key.
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, RANK_PAD], dtype=tl.float32)
+    offs_t = tl.arange(0, TILE)
+    table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * TILE + offs_t
+        pos_valid = pos < seq_len
+        block_id = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+        row = cache_ptr + block_id * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
+        latent = tl.load(
+            row[:, None] + dims[None, :], mask=pos_valid[:, None] & dim_valid[None, :], other=0.0
+        )
+        k_pe = tl.load(
+            row[:, None] + RANK + rope_dims[None, :],
+            mask=pos_valid[:, None] & rope_valid[None, :],
+            other=0.0,
+        )
+        if DOT_F32:
+            latent = latent.to(tl.float32)
+            k_pe = k_pe.to(tl.float32)
+        scores = tl.dot(q_nope, tl.trans(latent), input_precision=DOT_PRECISION)
+        scores = tl.dot(q_pe, tl.trans(k_pe), acc=scores, input_precision=DOT_PRECISION)
+        scores = tl.where(pos_valid[None, :], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(latent.dtype), latent, acc=acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if USE_SPLITS:
+        # Partials: out [num_reqs, NUM_HEADS, num_splits, RANK] and lse [.., num_splits] (log2).
+        stat_off = (req.to(tl.int64) * NUM_HEADS + heads) * num_splits + split
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + stat_off, lse, mask=head_valid)
+        tl.store(
+            part_out_ptr + stat_off[:, None] * RANK_PAD + dims[None, :],
+            result,
+            mask=head_valid[:, None],
+        )
+    else:
+        tl.store(
+            out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+            result.to(out_ptr.dtype.element_ty),
+            mask=head_valid[:, None] & dim_valid[None, :],
+        )
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _mla_merge_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_loc_ptr,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    RANK: tl.constexpr,
+    RANK_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """out[token, h] = sum_s 2^(lse_s - max lse) * o_s / sum_s 2^(lse_s - max lse)."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
+        return
+    splits = tl.arange(0, SPLITS_PAD)
+    stat_base = (req.to(tl.int64) * NUM_HEADS + head) * num_splits
+    lse = tl.load(part_lse_ptr + stat_base + splits, mask=splits < num_splits, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    weights = tl.exp2(lse - lse_max)
+    total = tl.sum(weights, 0)
+    dims = tl.arange(0, RANK_PAD)
+    acc = tl.zeros([RANK_PAD], dtype=tl.float32)
+    for s in range(num_splits):
+        weight = tl.exp2(tl.load(part_lse_ptr + stat_base + s) - lse_max)
+        acc += weight * tl.load(part_out_ptr + (stat_base + s) * RANK_PAD + dims)
+    tl.store(
+        out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + dims,
+        (acc / total).to(out_ptr.dtype.element_ty),
+        mask=dims < RANK,
+    )
+
+
+@triton.jit
+def _write_latent_kernel(
+    cache_ptr,
+    kv_c_ptr,
+    k_pe_ptr,
+    slot_mapping_ptr,
+    stride_ct,
+    stride_pt,
+    RANK: tl.constexpr,
+    ROPE: tl.constexpr,
+    RANK_PAD: tl.constexpr,
+    ROPE_PAD: tl.constexpr,
+):
+    """One token's latent and rope key into its cache slot; a negative slot is padding."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:
+        return
+    dims = tl.arange(0, RANK_PAD)
+    rope_dims = tl.arange(0, ROPE_PAD)
+    row = cache_ptr + slot * (RANK + ROPE)
+    kv_c = tl.load(kv_c_ptr + token * stride_ct + dims, mask=dims < RANK)
+    k_pe = tl.load(k_pe_ptr + token * stride_pt + rope_dims, mask=rope_dims < ROPE)
+    tl.store(row + dims, kv_c.to(cache_ptr.dtype.element_ty), mask=dims < RANK)
+    tl.store(row + RANK + rope_dims, k_pe.to(cache_ptr.dtype.element_ty), mask=rope_dims < ROPE)
+
+
+def write_latent_cache(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """kv_c [T, R] and k_pe [T, P] into kv_cache [num_blocks, block_size, R + P] at slot_mapping
+    [T] (int64; negative = padding, skipped), without reading anything on the host."""
+    num_tokens = slot_mapping.shape[0]
+    rank, rope = kv_c.shape[-1], k_pe.shape[-1]
+    if kv_cache.shape[-1] != rank + rope or not kv_cache.is_contiguous():
+        raise ValueError(
+            f"kv_cache must be a contiguous [num_blocks, block_size, {rank + rope}] tensor, got "
+            f"{tuple(kv_cache.shape)}"
+        )
+    if kv_c.shape[0] < num_tokens or k_pe.shape[0] < num_tokens:
+        raise ValueError(f"kv_c / k_pe have fewer rows than slot_mapping's {num_tokens}")
+    if kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1:
+        raise ValueError("kv_c and k_pe must have a unit last stride")
+    if num_tokens == 0:
+        return
+    _write_latent_kernel[(num_tokens,)](
+        kv_cache,
+        kv_c,
+        k_pe,
+        slot_mapping,
+        kv_c.stride(0),
+        k_pe.stride(0),
+        RANK=rank,
+        ROPE=rope,
+        RANK_PAD=triton.next_power_of_2(rank),
+        ROPE_PAD=triton.next_power_of_2(rope),
+        num_warps=4,
+    )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(
+    num_programs: int, max_seq_len: int, tile: int, target_programs: int, max_splits: int = 32
+) -> int:
+    """Split-KV factor (a power of two, 1 = none): enough programs to fill `target_programs`,
+    while each split keeps at least four tiles of keys."""
+    if num_programs >= target_programs:
+        return 1
+    by_occupancy = -(-target_programs // max(num_programs, 1))
+    by_length = max_seq_len // (4 * tile)
+    splits = min(by_occupancy, by_length, max_splits)
+    if splits < 2:
+        return 1
+    return 1 << (splits.bit_length() - 1)
+
+
+def _target_programs(device: torch.device) -> int:
+    """Programs that keep the device's memory pipes full: four per SM on a GPU."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return 4 * _num_sms(index)
+    return 8
+
+
+def mla_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    output: torch.Tensor,
+    num_splits: int | None = None,
+    block_h: int = DEFAULT_BLOCK_H,
+) -> None:
+    """Absorbed MLA of every decode request's token over its cached latents, into output.
+
+    q_nope [T, H, R] (the query already moved into the latent space through W_UK), q_pe [T, H, P]
+    (rotated), kv_cache [num_blocks, block_size, R + P]; request i owns query rows
+    query_start_loc[i]:query_start_loc[i+1] and attends to its first seq_lens[i] cache entries
+    (the new token's latent already written). Only requests with exactly one query row are
+    computed; output [T, H, R] rows of other requests are left untouched. block_table
+    [num_reqs, max_blocks] / seq_lens [num_reqs] / query_start_loc [num_reqs + 1] are int32 on
+    the query's device. `num_splits` forces the split-KV factor (None picks it from the shape);
+    `max_seq_len` bounds every seq_lens entry.
+    """
+    _check_args(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, output)
+    num_reqs = seq_lens.shape[0]
+    num_heads, rank = q_nope.shape[1], q_nope.shape[2]
+    rope = q_pe.shape[2]
+    if q_nope.shape[0] == 0 or num_reqs == 0:
+        return
+    if block_h < 16 or block_h & (block_h - 1):
+        raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
+    dot_f32 = q_nope.dtype == torch.float32 or (_interpreting() and q_nope.dtype == torch.bfloat16)
+    tile = 16 if dot_f32 else 32
+    num_head_tiles = triton.cdiv(num_heads, block_h)
+    rank_pad = max(16, triton.next_power_of_2(rank))
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            num_reqs * num_head_tiles, max_seq_len, tile, _target_programs(q_nope.device)
+        )
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    use_splits = num_splits > 1
+    if use_splits:
+        part_out = torch.empty(
+            (num_reqs, num_heads, num_splits, rank_pad), dtype=torch.float32, device=q_nope.device
+        )
+        part_lse = torch.empty(
+            (num_reqs, num_heads, num_splits), dtype=torch.float32, device=q_nope.device
+        )
+    else:
+        part_out = part_lse = output  # unused by the kernel
+    _mla_decode_kernel[(num_reqs, num_head_tiles, num_splits)](
+        output,
+        part_out,
+        part_lse,
+        q_nope,
+        q_pe,
+        kv_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        scale * _LOG2E,
+        num_splits,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        output.stride(0),
+        output.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
+        NUM_HEADS=num_heads,
+        RANK=rank,
+        ROPE=rope,
+        RANK_PAD=rank_pad,
+        ROPE_PAD=max(16, triton.next_power_of_2(rope)),
+        BLOCK_SIZE=kv_cache.shape[1],
+        BLOCK_H=block_h,
+        TILE=tile,
+        USE_SPLITS=use_splits,
+        DOT_F32=dot_f32,
+        DOT_PRECISION="ieee" if dot_f32 else "tf32",
+        num_warps=8 if rank_pad >= 256 else 4,
+        num_stages=2,
+    )
+    if use_splits:
+        _mla_merge_kernel[(num_reqs, num_heads)](
+            output,
+            part_out,
+            part_lse,
+            query_start_loc,
+            num_splits,
+            output.stride(0),
+            output.stride(1),
+            NUM_HEADS=num_heads,
+            RANK=rank,
+            RANK_PAD=rank_pad,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4,
+        )
+
+
+def _check_args(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    output: torch.Tensor,
+) -> None:
+    """Raises ValueError naming the argument whose shape, dtype or device does not fit."""
+    if q_nope.dim() != 3 or q_pe.dim() != 3 or q_pe.shape[:2] != q_nope.shape[:2]:
+        raise ValueError(
+            f"q_nope must be [T, H, kv_lora_rank] and q_pe [T, H, rope_dim], got "
+            f"{tuple(q_nope.shape)} and {tuple(q_pe.shape)}"
+        )
+    rank, rope = q_nope.shape[2], q_pe.shape[2]
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != rank + rope or kv_cache.stride(2) != 1:
+        raise ValueError(
+            f"kv_cache must be [num_blocks, block_size, {rank + rope}] with a unit last stride, "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    if q_nope.dtype not in SUPPORTED_DTYPES or {q_pe.dtype, kv_cache.dtype} != {q_nope.dtype}:
+        raise ValueError(
+            f"q_nope, q_pe and kv_cache dtypes must match and be one of {SUPPORTED_DTYPES}, got "
+            f"{q_nope.dtype}, {q_pe.dtype} and {kv_cache.dtype}"
+        )
+    if q_nope.stride(2) != 1 or q_pe.stride(2) != 1:
+        raise ValueError("q_nope and q_pe must have a unit last stride")
+    if output.shape != q_nope.shape or output.dtype != q_nope.dtype or output.stride(2) != 1:
+        raise ValueError(
+            f"output must be {tuple(q_nope.shape)} {q_nope.dtype} with a unit last stride, got "
+            f"{tuple(output.shape)} {output.dtype}"
+        )
+    for name, tensor in (
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+        ("kv_cache", kv_cache),
+        ("output", output),
+    ):
+        if tensor.device != q_nope.device:
+            raise ValueError(f"{name} is on {tensor.device}, q_nope on {q_nope.device}")
+    for name, tensor in (
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
+        if tensor.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {tensor.dtype}")
+    if block_table.dim() != 2 or block_table.stride(1) != 1:
+        raise ValueError("block_table must be a 2-D tensor with contiguous rows")
+    if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(
+            f"query_start_loc must have num_reqs + 1 = {seq_lens.shape[0] + 1} entries, got "
+            f"{query_start_loc.shape[0]}"
+        )
+
+
+def mla_decode_bytes(seq_lens: list[int], rank: int, rope: int, elem: int) -> int:
+    """Latent-cache bytes one decode step must read: every cached entry once."""
+    return sum(seq_lens) * (rank + rope) * elem
