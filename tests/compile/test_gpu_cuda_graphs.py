@@ -49,12 +49,33 @@ def _llm(model_dir, **kwargs) -> LLM:
     )
 
 
-def test_decode_graphs_equal_eager(model_dir):
+@pytest.fixture(scope="module")
+def expected(model_dir) -> dict[int, list[list[int]]]:
     eager = _llm(model_dir, enforce_eager=True)
-    assert _runner(eager)._decode_graphs is None
-    expected = {n: _greedy(eager, PROMPTS[:n]) for n in (1, 3, 6)}
+    runner = _runner(eager)
+    assert runner._decode_graphs is None and runner._piecewise_graphs is None
+    tokens = {n: _greedy(eager, PROMPTS[:n]) for n in (1, 3, 6)}
     del eager
+    torch.cuda.empty_cache()
+    return tokens
 
+
+def test_piecewise_graphs_equal_eager(model_dir, expected):
+    """Level 1: prefills of up to 32 tokens and decodes replay piecewise graphs (attention eager
+    between them); the 6-prompt prefill is larger than every graph and runs eagerly."""
+    llm = _llm(model_dir, compilation_config={"level": 1, "cudagraph_capture_sizes": [2, 8, 32]})
+    runner = _runner(llm)
+    assert runner._decode_graphs is None
+    piecewise = runner._piecewise_graphs
+    assert piecewise is not None and piecewise.sizes == [2, 8, 32]
+    for n in (1, 3, 6):
+        before = piecewise.num_replays
+        assert _greedy(llm, PROMPTS[:n]) == expected[n]
+        assert piecewise.num_replays - before >= 15, "steps did not replay piecewise graphs"
+    assert runner._forward.stats.num_traces == 1
+
+
+def test_decode_graphs_equal_eager(model_dir, expected):
     graphs_llm = _llm(
         model_dir, compilation_config={"level": 2, "cudagraph_capture_sizes": [1, 2, 4]}
     )
