@@ -18,6 +18,8 @@ class TritonAttentionBackend:
     """AttentionBackend on the varlen paged Triton kernel (prefill chunks and decode together)."""
 
     name = "triton"
+    supports_cudagraph = True
+    """Launch shapes depend only on python ints fixed at capture: a decode step can be captured."""
 
     def __init__(self, num_splits: int | None = None) -> None:
         """`num_splits` pins the split-KV factor (tests, graph capture); None picks per step."""
