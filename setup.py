@@ -47,12 +47,28 @@ def cuda_skip_reason() -> str | None:
 
 
 def cutlass_include_dirs() -> list[str]:
-    """CUTLASS headers from the nvidia-cutlass wheel, if installed (no kernel needs them yet)."""
+    """CUTLASS headers from the nvidia-cutlass wheel (a build requirement), or [] if missing.
+
+    The wheel lives in pip's temporary build environment, whose path changes with every build;
+    a stable symlink (build/cutlass) keeps the include flags, and so CMake's objects and ccache's
+    entries, valid from one build to the next.
+    """
     spec = importlib.util.find_spec("cutlass_library")
     if spec is None or spec.origin is None:
+        print(
+            "v1engine: nvidia-cutlass not installed; building the kernel library without the "
+            "CUTLASS FP8 GEMMs (pip install nvidia-cutlass==4.2.0.0)",
+            file=sys.stderr,
+        )
         return []
     source = Path(spec.origin).parent / "source"
-    dirs = [source / "include", source / "tools" / "util" / "include"]
+    stable = ROOT / "build" / "cutlass"
+    stable.parent.mkdir(parents=True, exist_ok=True)
+    if not stable.is_symlink() or stable.resolve() != source.resolve():
+        if stable.is_symlink() or stable.exists():
+            stable.unlink()
+        stable.symlink_to(source, target_is_directory=True)
+    dirs = [stable / "include", stable / "tools" / "util" / "include"]
     return [str(d) for d in dirs if d.is_dir()]
 
 

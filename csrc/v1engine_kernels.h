@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define V1E_ABI_VERSION 1
+#define V1E_ABI_VERSION 2
 
 #if defined(_WIN32)
 #define V1E_API __declspec(dllexport)
@@ -58,6 +58,50 @@ V1E_API int v1e_reshape_and_cache(const void* key, const void* value, void* kv_c
                                   int64_t num_kv_heads, int64_t head_size, int64_t key_row_stride,
                                   int64_t value_row_stride, int64_t num_blocks, int64_t block_size,
                                   int dtype, void* stream);
+
+/* 1 when the library holds the CUTLASS FP8 GEMMs below; 0 when it was built without the CUTLASS
+ * headers (then v1e_scaled_mm and v1e_block_scaled_mm return cudaErrorNotSupported). */
+V1E_API int v1e_has_fp8_gemm(void);
+
+/* Number of tile configurations v1e_scaled_mm accepts (config ids 0 .. n-1). */
+V1E_API int v1e_scaled_mm_num_configs(void);
+
+/*
+ * out[M, N] = (a[M, K] * scale_a) @ (b[N, K] * scale_b)^T + bias, e4m3 x e4m3 with fp32
+ * accumulation (sm_90a, CUTLASS warp-specialized TMA kernels; scales and bias in the epilogue).
+ *
+ * out:      [M, N] row-major, dense (row stride N), of out_dtype (V1E_DTYPE_BFLOAT16/FLOAT16).
+ * a:        e4m3 [M, K], K contiguous, rows lda elements apart.
+ * b:        e4m3 [N, K] (the nn.Linear weight layout), K contiguous, rows ldb elements apart.
+ * scale_a:  fp32, M values when scale_a_per_row, else 1 (per tensor).
+ * scale_b:  fp32, N values when scale_b_per_col, else 1.
+ * bias:     [N] of out_dtype, or NULL.
+ * config:   tile configuration id in [0, v1e_scaled_mm_num_configs()); the caller picks it by M.
+ * K, N, lda, ldb must be multiples of 16 and a, b, out 16-byte aligned (TMA).
+ *
+ * Returns cudaErrorInvalidValue for a bad argument or a problem the kernel cannot run, else the
+ * launch status.
+ */
+V1E_API int v1e_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
+                          const float* scale_b, const void* bias, int64_t m, int64_t n, int64_t k,
+                          int64_t lda, int64_t ldb, int scale_a_per_row, int scale_b_per_col,
+                          int out_dtype, int config, void* stream);
+
+/*
+ * out[M, N] from block-scaled e4m3 operands (the DeepSeek-V3 layout), fp32 accumulation with the
+ * scales applied per 128-wide K block (CUTLASS blockwise-scaling mainloop, sm_90a).
+ *
+ * a:        e4m3 [M, K], K contiguous, rows lda elements apart.
+ * b:        e4m3 [N, K], K contiguous, rows ldb elements apart.
+ * scale_a:  fp32, one per 1x128 group of a, stored M-major: value (m, kb) at
+ *           scale_a[kb * ld_scale_a + m], with ld_scale_a >= M a multiple of 4.
+ * scale_b:  fp32 [ceil(N/128), K/128] row-major (one per 128x128 block of b).
+ * K must be a multiple of 128; N, lda, ldb multiples of 16.
+ */
+V1E_API int v1e_block_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
+                                const float* scale_b, int64_t m, int64_t n, int64_t k,
+                                int64_t lda, int64_t ldb, int64_t ld_scale_a, int out_dtype,
+                                void* stream);
 
 #ifdef __cplusplus
 }

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from v1_engine.config import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
+from v1_engine.config import DTYPE_CHOICES, LOAD_FORMAT_CHOICES, QUANTIZATION_CHOICES
 
 API_KEY_ENV = "V1ENGINE_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -129,8 +129,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         dest="compilation_config",
         type=compilation_value,
         default=None,
-        help="compilation level (0 eager, 1 piecewise torch.compile, as in -O1) or a JSON object "
-        "of CompilationConfig fields, e.g. '{\"level\": 1}' (default: 0)",
+        help="compilation level (-O0 eager; -O1 torch.compile + piecewise CUDA graphs; -O2 also "
+        "full CUDA graphs of decode steps) or a JSON object of CompilationConfig fields, e.g. "
+        '\'{"level": 2, "cudagraph_capture_sizes": [1, 2, 4, 8]}\' (default: 2 on CUDA, 0 on '
+        "CPU)",
     )
     group.add_argument(
         "--enforce-eager",
@@ -145,6 +147,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=LOAD_FORMAT_CHOICES,
         help="auto (by path), dummy (random weights of the real config), gguf, safetensors",
+    )
+    group.add_argument(
+        "--quantization",
+        default=None,
+        choices=[c for c in QUANTIZATION_CHOICES if c is not None],
+        help="fp8: quantize the linear layers of a bf16/fp16/fp32 checkpoint to FP8 e4m3 at load "
+        "(an FP8 checkpoint loads as FP8 without this flag) (default: none)",
     )
 
 
@@ -181,6 +190,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_memory_utilization",
         "async_scheduling",
         "compilation_config",
+        "quantization",
     )
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
     return kwargs

@@ -17,7 +17,7 @@ import torch
 
 LIBRARY_FILENAME = "libv1engine_kernels.so"
 LIBRARY_ENV_VAR = "V1ENGINE_KERNELS_LIB"
-ABI_VERSION = 1
+ABI_VERSION = 2
 """Must equal V1E_ABI_VERSION in csrc/v1engine_kernels.h."""
 
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -48,19 +48,20 @@ def load_library() -> ctypes.CDLL | None:
             raise FileNotFoundError(f"{LIBRARY_ENV_VAR}={path} does not name a file")
         return None
     lib = ctypes.CDLL(str(path))
-    _declare_signatures(lib)
+    # The version first: a stale build may lack entry points the other declarations name.
+    lib.v1e_abi_version.argtypes = []
+    lib.v1e_abi_version.restype = ctypes.c_int
     found = lib.v1e_abi_version()
     if found != ABI_VERSION:
         raise RuntimeError(
             f"{path} has C ABI version {found}, this package expects {ABI_VERSION}; rebuild it "
             "(pip install -e .)"
         )
+    _declare_signatures(lib)
     return lib
 
 
 def _declare_signatures(lib: ctypes.CDLL) -> None:
-    lib.v1e_abi_version.argtypes = []
-    lib.v1e_abi_version.restype = ctypes.c_int
     lib.v1e_error_string.argtypes = [ctypes.c_int]
     lib.v1e_error_string.restype = ctypes.c_char_p
     lib.v1e_reshape_and_cache.argtypes = [
@@ -79,6 +80,49 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
         _ptr,  # cudaStream_t
     ]
     lib.v1e_reshape_and_cache.restype = ctypes.c_int
+    _declare_fp8_gemm_signatures(lib)
+
+
+def _declare_fp8_gemm_signatures(lib: ctypes.CDLL) -> None:
+    lib.v1e_has_fp8_gemm.argtypes = []
+    lib.v1e_has_fp8_gemm.restype = ctypes.c_int
+    lib.v1e_scaled_mm_num_configs.argtypes = []
+    lib.v1e_scaled_mm_num_configs.restype = ctypes.c_int
+    lib.v1e_scaled_mm.argtypes = [
+        _ptr,  # out [M, N]
+        _ptr,  # a [M, K] e4m3
+        _ptr,  # b [N, K] e4m3
+        _ptr,  # scale_a (fp32)
+        _ptr,  # scale_b (fp32)
+        _ptr,  # bias or NULL
+        _i64,  # m
+        _i64,  # n
+        _i64,  # k
+        _i64,  # lda (elements)
+        _i64,  # ldb (elements)
+        ctypes.c_int,  # scale_a_per_row
+        ctypes.c_int,  # scale_b_per_col
+        ctypes.c_int,  # out dtype code
+        ctypes.c_int,  # tile configuration id
+        _ptr,  # cudaStream_t
+    ]
+    lib.v1e_scaled_mm.restype = ctypes.c_int
+    lib.v1e_block_scaled_mm.argtypes = [
+        _ptr,  # out [M, N]
+        _ptr,  # a [M, K] e4m3
+        _ptr,  # b [N, K] e4m3
+        _ptr,  # scale_a, M-major (fp32)
+        _ptr,  # scale_b [ceil(N/128), K/128] (fp32)
+        _i64,  # m
+        _i64,  # n
+        _i64,  # k
+        _i64,  # lda (elements)
+        _i64,  # ldb (elements)
+        _i64,  # ld_scale_a (elements, multiple of 4)
+        ctypes.c_int,  # out dtype code
+        _ptr,  # cudaStream_t
+    ]
+    lib.v1e_block_scaled_mm.restype = ctypes.c_int
 
 
 def check_status(lib: ctypes.CDLL, code: int, entry_point: str) -> None:

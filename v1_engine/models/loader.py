@@ -21,6 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from v1_engine.layers.linear import Linear
+from v1_engine.layers.quantization import (
+    QuantizationConfig,
+    UnquantizedLinearMethod,
+    get_quant_config,
+    set_quant_config,
+)
 from v1_engine.models.registry import get_model_class
 from v1_engine.models.weights import initialize_dummy_weights, safetensors_weights_iterator
 
@@ -147,24 +154,70 @@ def get_model(
     device: torch.device,
     load_format: str,
     seed: int,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Build the model for `hf_config` on `device` in `dtype` and fill its weights.
 
     Parameters are allocated uninitialized on the target device, then filled from the mmapped
     safetensors one tensor at a time (or with seeded random values for load_format="dummy").
+    Linear layers follow the quantization config (`quantization`, or the checkpoint's own
+    `quantization_config`): FP8 checkpoints load as stored; quantization="fp8" quantizes a
+    high-precision checkpoint after loading, freeing its weights.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_class = get_model_class(hf_config)
+    quant_config = get_quant_config(quantization, hf_config)
     with _default_dtype(dtype), torch.device(device):
-        model = model_class(hf_config)
+        with set_quant_config(quant_config):
+            model = model_class(hf_config)
+        if quant_config is not None and quant_config.ignored_modules:
+            unquantize_ignored_layers(model, quant_config)
     with torch.no_grad():
         if load_format == "dummy":
             initialize_dummy_weights(model, seed)
         else:
             model.load_weights(safetensors_weights_iterator(Path(path)))
-        # Derived weights (e.g. MLA's absorbed kv_b_proj) are built from either weight source.
+        # Derived weights (e.g. MLA's absorbed kv_b_proj) are built from either weight source,
+        # before quantization at load so they see the checkpoint's precision.
         process = getattr(model, "process_weights_after_loading", None)
         if process is not None:
             process()
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()
     return model.eval()
+
+
+_FUSED_CHECKPOINT_NAMES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+"""Our fused linear layers → the checkpoint modules they are loaded from (every model's)."""
+
+
+def checkpoint_module_names(module_name: str) -> list[str]:
+    """The checkpoint module names a layer of ours is loaded from (one, or one per shard)."""
+    head, _, last = module_name.rpartition(".")
+    shards = _FUSED_CHECKPOINT_NAMES.get(last)
+    if shards is None:
+        return [module_name]
+    return [f"{head}.{shard}" if head else shard for shard in shards]
+
+
+def unquantize_ignored_layers(model: nn.Module, quant_config: QuantizationConfig) -> None:
+    """Give the unquantized method to the linear layers the checkpoint stores in high precision
+    (`modules_to_not_convert` / `ignored_layers`); a fused layer must be listed whole."""
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        names = checkpoint_module_names(name)
+        ignored = [quant_config.is_ignored(n) for n in names]
+        if all(ignored):
+            module.set_quant_method(UnquantizedLinearMethod())
+        elif any(ignored):
+            listed = [n for n, flag in zip(names, ignored, strict=True) if flag]
+            raise ValueError(
+                f"quantization_config.modules_to_not_convert lists {listed} but not every shard "
+                f"of the fused layer {name} ({names}): a fused layer is quantized as a whole"
+            )

@@ -67,6 +67,7 @@ class ModelRunner:
             device=device,
             load_format=mc.load_format,
             seed=mc.seed,
+            quantization=mc.quantization,
         )
         self.startup_s: dict[str, float] = {"weight load": time.perf_counter() - start}
         """Startup breakdown in seconds, logged once the forward is ready."""

@@ -1,0 +1,57 @@
+// Internal interface between the FP8 GEMM entry points (scaled_mm_entry.cu) and the CUTLASS
+// kernel instantiations (scaled_mm_*.cu). Plain C++, no CUTLASS types, so the entry file compiles
+// in seconds and also without the CUTLASS headers.
+#ifndef V1ENGINE_SCALED_MM_H_
+#define V1ENGINE_SCALED_MM_H_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace v1e {
+
+// Tile configurations of the per-tensor / per-channel GEMM (ids of v1e_scaled_mm's `config`).
+// The table of which id serves which M lives on the Python side (fp8.SCALED_MM_DISPATCH).
+constexpr int kNumScaledMmConfigs = 8;
+// Configurations of the block-scaled GEMM, picked here by M (64-row tiles for small M).
+constexpr int kNumBlockScaledConfigs = 2;
+constexpr int kBlockScaledSmallMMax = 64;
+
+struct ScaledMmParams {
+  void* out;
+  const void* a;
+  const void* b;
+  const float* scale_a;
+  const float* scale_b;
+  const void* bias;  // may be null
+  int64_t m, n, k, lda, ldb;
+  bool scale_a_per_row;
+  bool scale_b_per_col;
+  int device;
+  int sm_count;
+  cudaStream_t stream;
+};
+
+struct BlockScaledMmParams {
+  void* out;
+  const void* a;
+  const void* b;
+  const float* scale_a;  // M-major: (m, kb) at scale_a[kb * ld_scale_a + m]
+  const float* scale_b;  // [ceil(N/128), K/128] row-major
+  int64_t m, n, k, lda, ldb, ld_scale_a;
+  int device;
+  int sm_count;
+  cudaStream_t stream;
+};
+
+// Each returns a cudaError_t value: cudaErrorInvalidValue when CUTLASS rejects the problem.
+// kDtype is a v1e_dtype code (bf16 or fp16 output).
+template <int kDtype, int kConfig>
+int scaled_mm_run(const ScaledMmParams& params);
+
+template <int kDtype, int kConfig>
+int block_scaled_mm_run(const BlockScaledMmParams& params);
+
+}  // namespace v1e
+
+#endif  // V1ENGINE_SCALED_MM_H_

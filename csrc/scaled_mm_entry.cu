@@ -1,0 +1,149 @@
+// C entry points of the FP8 GEMMs: argument checks, then a switch to the kernel instantiation of
+// the requested tile configuration and output type (scaled_mm_*.cu). Built without CUTLASS
+// (V1E_WITH_CUTLASS undefined), the entries exist and report cudaErrorNotSupported.
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "scaled_mm.h"
+#include "v1engine_kernels.h"
+
+namespace {
+
+constexpr int kMaxDevices = 64;
+constexpr int64_t kTmaElements = 16;  // 16-byte rows of e4m3
+
+bool is_output_dtype(int dtype) {
+  return dtype == V1E_DTYPE_BFLOAT16 || dtype == V1E_DTYPE_FLOAT16;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// The current device and its SM count (cached: the persistent tile scheduler sizes its grid by
+// it, and querying the device on every call would cost a driver round trip).
+cudaError_t current_device(int* device, int* sm_count) {
+  static int cached_sm_count[kMaxDevices] = {};
+  cudaError_t error = cudaGetDevice(device);
+  if (error != cudaSuccess) return error;
+  if (*device < 0 || *device >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (cached_sm_count[*device] == 0) {
+    error = cudaDeviceGetAttribute(&cached_sm_count[*device], cudaDevAttrMultiProcessorCount,
+                                   *device);
+    if (error != cudaSuccess) return error;
+  }
+  *sm_count = cached_sm_count[*device];
+  return cudaSuccess;
+}
+
+// Sizes shared by both GEMMs; the kernels index with int, so every extent must fit one.
+bool valid_problem(const void* out, const void* a, const void* b, int64_t m, int64_t n,
+                   int64_t k, int64_t lda, int64_t ldb, int dtype) {
+  return out != nullptr && a != nullptr && b != nullptr && m > 0 && n > 0 && k > 0 &&
+         m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && is_output_dtype(dtype) &&
+         n % kTmaElements == 0 && k % kTmaElements == 0 && lda >= k && ldb >= k &&
+         lda % kTmaElements == 0 && ldb % kTmaElements == 0 && aligned16(out) && aligned16(a) &&
+         aligned16(b);
+}
+
+#ifdef V1E_WITH_CUTLASS
+
+template <int kDtype>
+int dispatch_scaled_mm(const v1e::ScaledMmParams& params, int config) {
+  switch (config) {
+    case 0:
+      return v1e::scaled_mm_run<kDtype, 0>(params);
+    case 1:
+      return v1e::scaled_mm_run<kDtype, 1>(params);
+    case 2:
+      return v1e::scaled_mm_run<kDtype, 2>(params);
+    case 3:
+      return v1e::scaled_mm_run<kDtype, 3>(params);
+    case 4:
+      return v1e::scaled_mm_run<kDtype, 4>(params);
+    case 5:
+      return v1e::scaled_mm_run<kDtype, 5>(params);
+    case 6:
+      return v1e::scaled_mm_run<kDtype, 6>(params);
+    case 7:
+      return v1e::scaled_mm_run<kDtype, 7>(params);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+template <int kDtype>
+int dispatch_block_scaled_mm(const v1e::BlockScaledMmParams& params) {
+  if (params.m <= v1e::kBlockScaledSmallMMax) {
+    return v1e::block_scaled_mm_run<kDtype, 0>(params);
+  }
+  return v1e::block_scaled_mm_run<kDtype, 1>(params);
+}
+
+#endif  // V1E_WITH_CUTLASS
+
+}  // namespace
+
+extern "C" {
+
+int v1e_has_fp8_gemm(void) {
+#ifdef V1E_WITH_CUTLASS
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+int v1e_scaled_mm_num_configs(void) { return v1e::kNumScaledMmConfigs; }
+
+int v1e_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
+                  const float* scale_b, const void* bias, int64_t m, int64_t n, int64_t k,
+                  int64_t lda, int64_t ldb, int scale_a_per_row, int scale_b_per_col,
+                  int out_dtype, int config, void* stream) {
+  if (!valid_problem(out, a, b, m, n, k, lda, ldb, out_dtype) || scale_a == nullptr ||
+      scale_b == nullptr || config < 0 || config >= v1e::kNumScaledMmConfigs) {
+    return cudaErrorInvalidValue;
+  }
+#ifdef V1E_WITH_CUTLASS
+  v1e::ScaledMmParams params{out, a, b, scale_a, scale_b, bias, m, n, k, lda, ldb,
+                             scale_a_per_row != 0, scale_b_per_col != 0, 0, 0,
+                             static_cast<cudaStream_t>(stream)};
+  const cudaError_t error = current_device(&params.device, &params.sm_count);
+  if (error != cudaSuccess) return error;
+  if (out_dtype == V1E_DTYPE_BFLOAT16) {
+    return dispatch_scaled_mm<V1E_DTYPE_BFLOAT16>(params, config);
+  }
+  return dispatch_scaled_mm<V1E_DTYPE_FLOAT16>(params, config);
+#else
+  (void)bias;
+  (void)scale_a_per_row;
+  (void)scale_b_per_col;
+  (void)stream;
+  return cudaErrorNotSupported;
+#endif
+}
+
+int v1e_block_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
+                        const float* scale_b, int64_t m, int64_t n, int64_t k, int64_t lda,
+                        int64_t ldb, int64_t ld_scale_a, int out_dtype, void* stream) {
+  if (!valid_problem(out, a, b, m, n, k, lda, ldb, out_dtype) || scale_a == nullptr ||
+      scale_b == nullptr || k % 128 != 0 || ld_scale_a < m || ld_scale_a % 4 != 0 ||
+      ld_scale_a * (k / 128) > INT_MAX || !aligned16(scale_a)) {
+    return cudaErrorInvalidValue;
+  }
+#ifdef V1E_WITH_CUTLASS
+  v1e::BlockScaledMmParams params{out, a, b, scale_a, scale_b, m, n, k, lda, ldb, ld_scale_a,
+                                  0, 0, static_cast<cudaStream_t>(stream)};
+  const cudaError_t error = current_device(&params.device, &params.sm_count);
+  if (error != cudaSuccess) return error;
+  if (out_dtype == V1E_DTYPE_BFLOAT16) {
+    return dispatch_block_scaled_mm<V1E_DTYPE_BFLOAT16>(params);
+  }
+  return dispatch_block_scaled_mm<V1E_DTYPE_FLOAT16>(params);
+#else
+  (void)stream;
+  return cudaErrorNotSupported;
+#endif
+}
+
+}  // extern "C"

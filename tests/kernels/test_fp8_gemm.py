@@ -1,0 +1,270 @@
+"""FP8 GEMMs: the PyTorch references against explicit math, the custom ops' registration, fake
+impls and validation on CPU, and (gpu) the CUTLASS kernels against the references.
+
+On the GPU the kernel and the reference see the same e4m3 operands and scales, so they differ only
+in accumulation order (and the Hopper FP8 accumulator's precision): a tight tolerance holds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v1_engine.kernels import fp8
+from v1_engine.kernels.fp8 import FP8_DTYPE
+
+LLAMA_8B_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
+
+
+def random_fp8(shape: tuple[int, int], seed: int, device: str = "cpu") -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=gen) * 100).clamp(-448, 448).to(FP8_DTYPE).to(device)
+
+
+def random_scales(shape: tuple[int, ...], seed: int, device: str = "cpu") -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(shape, generator=gen) * 1e-3 + 1e-4).to(device)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+# ----- references against explicit math --------------------------------------------------------
+
+
+def test_scaled_mm_ref_is_dequantized_matmul() -> None:
+    a, b = random_fp8((5, 48), seed=1), random_fp8((32, 48), seed=2)
+    sa, sb = random_scales((5, 1), seed=3), random_scales((32, 1), seed=4)
+    bias = torch.randn(32).to(torch.bfloat16)
+    got = fp8.scaled_mm_ref(a, b, sa, sb, torch.bfloat16, bias)
+    want = (a.double() * sa.double()) @ (b.double() * sb.double()).t() + bias.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 32)
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-3)
+    # Per-tensor scales are scalars broadcast over rows and columns.
+    got = fp8.scaled_mm_ref(a, b, sa[:1, 0], sb[:1, 0], torch.float16)
+    want = (a.double() @ b.double().t()) * sa[0, 0].double() * sb[0, 0].double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-3)
+
+
+def test_block_scaled_mm_ref_sums_scaled_block_products() -> None:
+    m, n, k = 3, 200, 300  # partial last blocks in N and K
+    a, b = random_fp8((m, k), seed=5), random_fp8((n, k), seed=6)
+    sa, sb = random_scales((m, 3), seed=7), random_scales((2, 3), seed=8)
+    got = fp8.block_scaled_mm_ref(a, b, sa, sb, torch.bfloat16)
+    want = torch.zeros(m, n, dtype=torch.float64)
+    for kb in range(3):
+        ks = slice(kb * 128, min(k, kb * 128 + 128))
+        for nb in range(2):
+            ns = slice(nb * 128, min(n, nb * 128 + 128))
+            partial = a[:, ks].double() @ b[ns, ks].double().t()
+            want[:, ns] += partial * sa[:, kb : kb + 1].double() * sb[nb, kb].double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-3)
+
+
+def test_quantized_gemm_approximates_the_bf16_gemm() -> None:
+    """End to end on the reference path: per-token x per-channel FP8 tracks the full GEMM."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(16, 256, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(64, 256, generator=gen) * 0.05).to(torch.bfloat16)
+    qx, sx = fp8.per_token_fp8_quant(x)
+    qw, sw = fp8.per_token_fp8_quant(w)  # per output channel
+    got = fp8.scaled_mm(qx, qw, sx, sw, torch.bfloat16)
+    assert relative_error(got, x.float() @ w.float().t()) < 0.05
+    gx, gsx = fp8.per_token_group_fp8_quant(x)
+    # Weights per 128x128 block: N = 64 is one partial block row, K = 256 two blocks.
+    wsb = w.float().reshape(1, 64, 2, 128).abs().amax(dim=(1, 3)) / 448.0  # [1, 2]
+    qwb = (w.float() / wsb.repeat_interleave(128, dim=1)).to(FP8_DTYPE)
+    got = fp8.block_scaled_mm(gx, qwb, gsx, wsb, torch.bfloat16)
+    assert relative_error(got, x.float() @ w.float().t()) < 0.05
+
+
+# ----- ops, fake impls, validation on CPU ------------------------------------------------------
+
+
+# opcheck's schema test perturbs the inputs arithmetically, which e4m3 tensors do not support.
+FP8_OPCHECK_UTILS = ("test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def test_gemm_ops_pass_opcheck() -> None:
+    a, b = random_fp8((4, 32), seed=10), random_fp8((16, 32), seed=11)
+    sa, sb = random_scales((4, 1), seed=12), random_scales((16, 1), seed=13)
+    bias = torch.randn(16).to(torch.float16)
+    torch.library.opcheck(
+        torch.ops.v1_engine.scaled_mm.default,
+        (a, b, sa, sb, torch.float16, bias),
+        test_utils=FP8_OPCHECK_UTILS,
+    )
+    torch.library.opcheck(
+        torch.ops.v1_engine.block_scaled_mm.default,
+        (a, b, random_scales((4, 1), 14), random_scales((1, 1), 15), torch.bfloat16),
+        test_utils=FP8_OPCHECK_UTILS,
+    )
+
+
+def test_gemm_traces_under_torch_compile() -> None:
+    def linear(x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+        qx, sx = fp8.per_token_fp8_quant(x)
+        return fp8.scaled_mm(qx, w, sx, sw, torch.bfloat16)
+
+    gen = torch.Generator().manual_seed(16)
+    x = torch.randn(8, 64, generator=gen).to(torch.bfloat16)
+    w, sw = random_fp8((32, 64), seed=17), random_scales((32, 1), seed=18)
+    compiled = torch.compile(linear, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, w, sw), linear(x, w, sw))
+
+
+def _gemm_args(**overrides):
+    args = {
+        "a": random_fp8((4, 32), seed=19),
+        "b": random_fp8((16, 32), seed=20),
+        "scale_a": random_scales((4, 1), seed=21),
+        "scale_b": random_scales((16, 1), seed=22),
+        "out_dtype": torch.bfloat16,
+    }
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"a": torch.zeros(4, 32, dtype=torch.bfloat16)}, "a must be"),
+        ({"b": random_fp8((16, 48), seed=0)}, "disagree on K"),
+        ({"b": random_fp8((32, 16), seed=0).t()}, "b must be row-major"),
+        ({"scale_a": torch.ones(3, 1)}, "scale_a must hold"),
+        ({"scale_b": torch.ones(16, 1, dtype=torch.float16)}, "scale_b must be float32"),
+        ({"out_dtype": torch.float32}, "out_dtype"),
+        ({"bias": torch.zeros(16)}, "bias must be"),
+        ({"bias": torch.zeros(8, dtype=torch.bfloat16)}, "bias must be"),
+    ],
+)
+def test_scaled_mm_rejects_bad_inputs(overrides: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fp8.scaled_mm(**_gemm_args(**overrides))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"scale_a": torch.ones(4, 2)}, r"scale_a must be a float32 \[4, 1\]"),
+        ({"scale_b": torch.ones(16, 1)}, r"scale_b must be a float32 \[1, 1\]"),
+    ],
+)
+def test_block_scaled_mm_rejects_bad_scales(overrides: dict, match: str) -> None:
+    args = _gemm_args(scale_a=torch.ones(4, 1), scale_b=torch.ones(1, 1))
+    args.update(overrides)
+    with pytest.raises(ValueError, match=match):
+        fp8.block_scaled_mm(**args)
+
+
+# ----- CUTLASS kernels on the GPU --------------------------------------------------------------
+
+
+def gpu_case(m: int, n: int, k: int, seed: int, per_tensor: bool = False):
+    a, b = random_fp8((m, k), seed, "cuda"), random_fp8((n, k), seed + 1, "cuda")
+    if per_tensor:
+        return a, b, random_scales((1,), seed + 2, "cuda"), random_scales((1,), seed + 3, "cuda")
+    return a, b, random_scales((m, 1), seed + 2, "cuda"), random_scales((n, 1), seed + 3, "cuda")
+
+
+def assert_gemm_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert not bool(got.isnan().any())
+    assert relative_error(got, want) < 1e-2
+    scale = want.float().abs().amax().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 33, 64, 100, 128, 200, 256, 300, 1000, 4096])
+@pytest.mark.parametrize(("n", "k"), LLAMA_8B_NK[:2] + [(256, 128)])
+def test_scaled_mm_matches_ref_gpu(m: int, n: int, k: int) -> None:
+    a, b, sa, sb = gpu_case(m, n, k, seed=m + n)
+    assert_gemm_close(
+        fp8.scaled_mm(a, b, sa, sb, torch.bfloat16), fp8.scaled_mm_ref(a, b, sa, sb, torch.bfloat16)
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("per_tensor", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("config", range(fp8.NUM_SCALED_MM_CONFIGS))
+def test_every_tile_config_matches_ref_gpu(
+    config: int, out_dtype: torch.dtype, per_tensor: bool, with_bias: bool
+) -> None:
+    for m, n, k in [(1, 4096, 4096), (37, 1024, 512), (300, 2048, 1024)]:
+        a, b, sa, sb = gpu_case(m, n, k, seed=config * 7 + m, per_tensor=per_tensor)
+        bias = torch.randn(n, device="cuda").to(out_dtype) if with_bias else None
+        got = fp8.scaled_mm_cutlass(a, b, sa, sb, out_dtype, bias, config=config)
+        assert_gemm_close(got, fp8.scaled_mm_ref(a, b, sa, sb, out_dtype, bias))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 128, 2048])
+@pytest.mark.parametrize(("n", "k"), LLAMA_8B_NK[2:])
+def test_scaled_mm_llama_mlp_shapes_gpu(m: int, n: int, k: int) -> None:
+    a, b, sa, sb = gpu_case(m, n, k, seed=m)
+    bias = torch.randn(n, device="cuda").to(torch.float16)
+    assert_gemm_close(
+        fp8.scaled_mm(a, b, sa, sb, torch.float16, bias),
+        fp8.scaled_mm_ref(a, b, sa, sb, torch.float16, bias),
+    )
+
+
+@pytest.mark.gpu
+def test_scaled_mm_reads_strided_activation_rows_gpu() -> None:
+    a_wide, b, sa, sb = gpu_case(40, 512, 1024, seed=3)
+    a = a_wide[:, 256:768]  # K = 512 with row stride 1024
+    b = b[:, :512]
+    assert_gemm_close(
+        fp8.scaled_mm(a, b, sa, sb, torch.bfloat16), fp8.scaled_mm_ref(a, b, sa, sb, torch.bfloat16)
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 5, 64, 65, 130, 1000])
+@pytest.mark.parametrize(("n", "k"), [(7168, 2048), (576, 7168), (1536, 512)])
+def test_block_scaled_mm_matches_ref_gpu(m: int, n: int, k: int, out_dtype: torch.dtype) -> None:
+    a, b = random_fp8((m, k), m, "cuda"), random_fp8((n, k), m + 1, "cuda")
+    sa = random_scales((m, k // 128), m + 2, "cuda")
+    sb = random_scales((-(-n // 128), k // 128), m + 3, "cuda")
+    assert_gemm_close(
+        fp8.block_scaled_mm(a, b, sa, sb, out_dtype),
+        fp8.block_scaled_mm_ref(a, b, sa, sb, out_dtype),
+    )
+
+
+@pytest.mark.gpu
+def test_scaled_mm_replays_in_a_cuda_graph_gpu() -> None:
+    _, b, _, sb = gpu_case(8, 4096, 4096, seed=30)
+    x = torch.randn(8, 4096, device="cuda").to(torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (first-call setup) outside the capture
+        qx, sx = fp8.per_token_fp8_quant(x)
+        fp8.scaled_mm(qx, b, sx, sb, torch.bfloat16)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qx, sx = fp8.per_token_fp8_quant(x)
+        out = fp8.scaled_mm(qx, b, sx, sb, torch.bfloat16)
+    for seed in (31, 32):
+        x.copy_(torch.randn(8, 4096, generator=torch.Generator().manual_seed(seed)).cuda())
+        graph.replay()
+        qx_ref, sx_ref = fp8.per_token_fp8_quant_ref(x)
+        assert_gemm_close(out, fp8.scaled_mm_ref(qx_ref, b, sx_ref, sb, torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_cuda_rejects_unaligned_shapes_gpu() -> None:
+    a, b, sa, sb = gpu_case(4, 64, 40, seed=40)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8.scaled_mm(a, b, sa, sb, torch.bfloat16)
+    a, b = random_fp8((4, 144), 41, "cuda"), random_fp8((64, 144), 42, "cuda")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8.block_scaled_mm(
+            a, b, torch.ones(4, 2, device="cuda"), torch.ones(1, 2, device="cuda"), torch.bfloat16
+        )

@@ -1,0 +1,238 @@
+"""FP8 quantization: the PyTorch references against plain fp32 math, the Triton kernels against the
+references (bit for bit), and the custom ops' registration, fake impls and input validation.
+
+Without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1) on tiny shapes; the
+`gpu` cases run them compiled on model-sized shapes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+_CUDA = torch.cuda.is_available()
+if not _CUDA:
+    # Must be set before triton is imported and the kernels are decorated.
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "v1_engine.kernels.triton_quant" in sys.modules:
+        importlib.reload(sys.modules["v1_engine.kernels.triton_quant"])
+
+from v1_engine.kernels import fp8
+from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+
+E4M3_HALF_ULP = 2.0**-4  # 3 mantissa bits: rounding error <= 1/16 relative in the normal range
+E4M3_MIN_NORMAL = 2.0**-6
+
+
+def random_activations(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Normal values with a few outlier columns, like real activations."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    x[..., :: max(1, shape[-1] // 4)] *= 20.0
+    return x.to(dtype)
+
+
+def as_bytes(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def assert_round_trip(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Dequantized values within half an e4m3 step of x (absolute floor at the subnormal step)."""
+    xf = x.float()
+    deq = q.float() * scale
+    bound = xf.abs() * E4M3_HALF_ULP + scale * E4M3_MIN_NORMAL * 2.0**-3
+    assert bool(((deq - xf).abs() <= bound * 1.0001).all())
+
+
+# ----- references against plain math ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_per_token_ref_scales_each_row_to_its_amax(dtype: torch.dtype) -> None:
+    x = random_activations((7, 96), dtype, seed=1)
+    q, scales = fp8.per_token_fp8_quant_ref(x)
+    assert q.dtype == FP8_DTYPE and q.shape == x.shape
+    assert scales.dtype == torch.float32 and scales.shape == (7, 1)
+    expected = x.float().abs().amax(dim=1, keepdim=True) / 448.0
+    torch.testing.assert_close(scales, expected, rtol=0, atol=0)
+    # The largest element of every row lands exactly on +-448.
+    assert torch.equal(q.float().abs().amax(dim=1), torch.full((7,), FP8_MAX))
+    assert_round_trip(x, q, scales)
+
+
+def test_zero_row_gets_the_floor_scale_and_zeros() -> None:
+    x = torch.zeros(2, 32, dtype=torch.bfloat16)
+    x[1] = 1.0
+    q, scales = fp8.per_token_fp8_quant_ref(x)
+    assert scales[0, 0].item() == pytest.approx(FP8_MIN_SCALE)
+    assert torch.equal(q[0].float(), torch.zeros(32))
+    assert torch.equal(q[1].float(), torch.full((32,), FP8_MAX))
+    assert not bool(q.float().isnan().any())
+
+
+def test_group_ref_equals_per_token_ref_on_each_group() -> None:
+    x = random_activations((5, 300), torch.bfloat16, seed=2)  # 300 = 2 full groups of 128 + 44
+    q, scales = fp8.per_token_group_fp8_quant_ref(x, group_size=128)
+    assert scales.shape == (5, 3) and q.shape == (5, 300)
+    for g, (lo, hi) in enumerate([(0, 128), (128, 256), (256, 300)]):
+        q_g, s_g = fp8.per_token_fp8_quant_ref(x[:, lo:hi])
+        assert torch.equal(as_bytes(q[:, lo:hi]), as_bytes(q_g))
+        assert torch.equal(scales[:, g : g + 1], s_g)
+
+
+def test_static_ref_saturates_and_dynamic_uses_amax() -> None:
+    x = torch.tensor([[-1000.0, -1.0, 0.0, 0.5, 2.0, 1000.0]])
+    q, scale = fp8.scaled_fp8_quant_ref(x, torch.tensor([1.0]))
+    assert q.float().tolist() == [[-448.0, -1.0, 0.0, 0.5, 2.0, 448.0]]
+    assert scale.item() == 1.0
+    q, scale = fp8.scaled_fp8_quant_ref(x)
+    assert scale.shape == (1,) and scale.item() == pytest.approx(1000.0 / 448.0)
+    assert q.float()[0, -1].item() == FP8_MAX
+
+
+def test_quant_rounds_to_nearest_even() -> None:
+    # Between 16 and 32 e4m3 steps by 2: 17 and 19 are ties (to 16 and 20), 17.5 rounds up.
+    x = torch.tensor([[17.0, 19.0, 17.5, 18.0]])
+    q, _ = fp8.scaled_fp8_quant_ref(x, torch.tensor([1.0]))
+    assert q.float().tolist() == [[16.0, 20.0, 18.0, 18.0]]
+
+
+# ----- Triton kernels against the references ---------------------------------------------------
+
+triton_quant = pytest.importorskip("v1_engine.kernels.triton_quant")
+interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
+
+
+def check_kernels_match_refs(x: torch.Tensor, group_size: int) -> None:
+    q, s = triton_quant.per_token_group_quant(x, group_size=None)
+    q_ref, s_ref = fp8.per_token_fp8_quant_ref(x)
+    assert torch.equal(as_bytes(q), as_bytes(q_ref)) and torch.equal(s, s_ref)
+
+    q, s = triton_quant.per_token_group_quant(x, group_size=group_size)
+    q_ref, s_ref = fp8.per_token_group_fp8_quant_ref(x, group_size)
+    assert torch.equal(as_bytes(q), as_bytes(q_ref)) and torch.equal(s, s_ref)
+
+    scale = torch.tensor([0.03], device=x.device)  # small enough that the outliers saturate
+    q = triton_quant.static_quant(x, scale)
+    assert torch.equal(as_bytes(q), as_bytes(fp8.scaled_fp8_quant_ref(x, scale)[0]))
+
+
+@interpreter_only
+@pytest.mark.parametrize(
+    ("shape", "group_size"), [((3, 200), 64), ((1, 16), 16), ((2, 3, 48), 32), ((2, 40), 128)]
+)
+def test_triton_kernels_match_refs_interpreted(shape: tuple[int, ...], group_size: int) -> None:
+    check_kernels_match_refs(random_activations(shape, torch.bfloat16, seed=3), group_size)
+
+
+@interpreter_only
+def test_triton_kernels_read_strided_rows_interpreted() -> None:
+    fused = random_activations((4, 96), torch.float16, seed=4)
+    check_kernels_match_refs(fused[:, 16:80], group_size=32)  # a slice: row stride 96
+
+
+@interpreter_only
+def test_triton_rounding_is_exact_over_the_whole_range_interpreted() -> None:
+    values = torch.cat(
+        [
+            torch.linspace(-460.0, 460.0, 20001),
+            torch.logspace(-12, 2.6, 3000),
+            -torch.logspace(-12, 2.6, 3000),
+            torch.tensor([0.0, 2.0**-10, 3 * 2.0**-10, 2.0**-9, 17.0, 19.0, 440.0, 464.0]),
+        ]
+    ).reshape(1, -1)
+    q = triton_quant.static_quant(values, torch.tensor([1.0]))
+    assert torch.equal(
+        as_bytes(q), as_bytes(fp8.scaled_fp8_quant_ref(values, torch.tensor([1.0]))[0])
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 4096), (7, 14336), (333, 4096), (4, 8, 128), (2, 100)])
+def test_triton_kernels_match_refs_gpu(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    check_kernels_match_refs(random_activations(shape, dtype, seed=5).cuda(), group_size=128)
+
+
+@pytest.mark.gpu
+def test_cuda_ops_match_refs_gpu() -> None:
+    x = random_activations((65, 7168), torch.bfloat16, seed=6).cuda()
+    for op, ref in (
+        (fp8.per_token_fp8_quant, fp8.per_token_fp8_quant_ref),
+        (fp8.scaled_fp8_quant, fp8.scaled_fp8_quant_ref),
+        (fp8.per_token_group_fp8_quant, fp8.per_token_group_fp8_quant_ref),
+    ):
+        (q, s), (q_ref, s_ref) = op(x), ref(x)
+        assert torch.equal(as_bytes(q), as_bytes(q_ref)) and torch.equal(s, s_ref)
+    scale = torch.tensor([0.05], device="cuda")
+    q, s = fp8.scaled_fp8_quant(x, scale)
+    assert s is scale
+    assert torch.equal(as_bytes(q), as_bytes(fp8.scaled_fp8_quant_ref(x, scale)[0]))
+
+
+# ----- public API on CPU: ops, fake impls, validation ------------------------------------------
+
+
+def test_public_ops_on_cpu_run_the_references() -> None:
+    x = random_activations((3, 256), torch.bfloat16, seed=7)
+    for op, ref in (
+        (fp8.per_token_fp8_quant, fp8.per_token_fp8_quant_ref),
+        (fp8.scaled_fp8_quant, fp8.scaled_fp8_quant_ref),
+        (fp8.per_token_group_fp8_quant, fp8.per_token_group_fp8_quant_ref),
+    ):
+        (q, s), (q_ref, s_ref) = op(x), ref(x)
+        assert torch.equal(as_bytes(q), as_bytes(q_ref)) and torch.equal(s, s_ref)
+    scale = torch.tensor([0.5])
+    q, s = fp8.scaled_fp8_quant(x, scale)
+    assert s is scale
+    assert torch.equal(as_bytes(q), as_bytes(fp8.scaled_fp8_quant_ref(x, scale)[0]))
+
+
+@pytest.mark.parametrize(
+    ("op", "args"),
+    [
+        ("static_scaled_fp8_quant", lambda x: (x, torch.tensor([0.1]))),
+        ("dynamic_scaled_fp8_quant", lambda x: (x,)),
+        ("per_token_fp8_quant", lambda x: (x,)),
+        ("per_token_group_fp8_quant", lambda x: (x, 64)),
+    ],
+)
+def test_quant_ops_pass_opcheck(op: str, args) -> None:
+    x = random_activations((4, 128), torch.bfloat16, seed=8)
+    torch.library.opcheck(getattr(torch.ops.v1_engine, op).default, args(x))
+
+
+def test_quant_ops_trace_under_torch_compile() -> None:
+    def quantize_all(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q1, s1 = fp8.per_token_fp8_quant(x)
+        q2, s2 = fp8.per_token_group_fp8_quant(x, 64)
+        q3, s3 = fp8.scaled_fp8_quant(x)
+        return q1.float() * s1, s2, q2.float(), q3.float() * s3
+
+    x = random_activations((5, 128), torch.bfloat16, seed=9)
+    compiled = torch.compile(quantize_all, backend="aot_eager", fullgraph=True)
+    for got, want in zip(compiled(x), quantize_all(x)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: fp8.per_token_fp8_quant(torch.zeros(2, 8, dtype=torch.int32)), "x dtype"),
+        (lambda: fp8.per_token_fp8_quant(torch.zeros(2, 0)), "non-empty last dimension"),
+        (lambda: fp8.scaled_fp8_quant(torch.zeros(2, 8), torch.ones(2)), "scale must be"),
+        (
+            lambda: fp8.scaled_fp8_quant(torch.zeros(2, 8), torch.ones(1, dtype=torch.float16)),
+            "scale must be",
+        ),
+        (lambda: fp8.per_token_group_fp8_quant(torch.zeros(2, 8), 96), "group_size"),
+        (lambda: fp8.per_token_group_fp8_quant(torch.zeros(2, 8), 0), "group_size"),
+    ],
+)
+def test_quant_rejects_bad_inputs(call, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -1,0 +1,46 @@
+"""Every CUTLASS FP8 GEMM kernel in the built library carries Hopper FP8 tensor-core code (QGMMA).
+
+Targeting plain sm_90 instead of sm_90a compiles without complaint but stubs the wgmma bodies
+out; this catches that (and any kernel whose mainloop was compiled away). Skipped where the
+library was not built, was built without CUTLASS, or no cuobjdump is installed.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+from test_kernel_library_build import find_cuobjdump
+
+from v1_engine.kernels import _C
+
+NUM_OUTPUT_DTYPES = 2
+NUM_BLOCK_SCALED_CONFIGS = 2
+
+
+def sass_by_function(cuobjdump: str, library: str) -> dict[str, str]:
+    """Function name -> its SASS text, from `cuobjdump -sass`."""
+    sass = subprocess.run(
+        [cuobjdump, "-sass", library], capture_output=True, text=True, check=True
+    ).stdout
+    sections = re.split(r"\n\s*Function : (\S+)\n", sass)
+    return dict(zip(sections[1::2], sections[2::2]))
+
+
+def test_every_cutlass_gemm_kernel_has_qgmma() -> None:
+    lib = _C.load_library()
+    if lib is None:
+        pytest.skip("libv1engine_kernels.so was not built (no nvcc)")
+    if not lib.v1e_has_fp8_gemm():
+        pytest.skip("the library was built without the CUTLASS headers")
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("no cuobjdump installed")
+
+    functions = sass_by_function(cuobjdump, str(_C.library_path()))
+    gemms = {name: body for name, body in functions.items() if "GemmUniversal" in name}
+    expected = NUM_OUTPUT_DTYPES * (lib.v1e_scaled_mm_num_configs() + NUM_BLOCK_SCALED_CONFIGS)
+    assert len(gemms) == expected, sorted(gemms)
+    without_qgmma = [name for name, body in gemms.items() if "QGMMA" not in body]
+    assert not without_qgmma, without_qgmma
