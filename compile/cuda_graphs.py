@@ -79,12 +79,16 @@ class DecodeCudaGraphs:
         """The longest context a request may reach: the attention launch is sized for it."""
         self.device = device
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros((n, max_blocks_per_req), dtype=torch.int32, device=device)
+        # Inference tensors, like a step's inputs: Dynamo guards on the dispatch keys.
+        with torch.inference_mode():
+            self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+            self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+            self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+            self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+            self.block_table = torch.zeros(
+                (n, max_blocks_per_req), dtype=torch.int32, device=device
+            )
         self._graphs: dict[int, _Captured] = {}
         self._pool = pool
         self.capture_s = 0.0
@@ -292,8 +296,9 @@ class PiecewiseCudaGraphs:
         self.device = device
         self.pool = pool
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        with torch.inference_mode():  # like a step's inputs: Dynamo guards on dispatch keys
+            self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.capture_s = 0.0
         self.pool_bytes = 0
         self.num_replays = 0
