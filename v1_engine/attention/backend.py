@@ -53,7 +53,10 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         output: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         """query [T, Hq, D], key/value [T, Hkv, D]: write K/V into kv_cache at slot_mapping, then
-        fill output [T, Hq, D] with attention over the cached context plus the new tokens."""
+        fill output [T, Hq, D] with attention over the cached context plus the new tokens.
+        k_scale / v_scale (float32 [1] device tensors) dequantize an fp8 cache; None otherwise."""
         ...

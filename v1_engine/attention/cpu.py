@@ -2,7 +2,8 @@
 prefill chunks one request at a time).
 
 It is the correctness yardstick for the fast backends and the real path on CPU. Scores are
-computed in float32 whatever the model dtype.
+computed in float32 whatever the model dtype. An fp8 cache is dequantized (x * scale, float32)
+as it is gathered.
 """
 
 from __future__ import annotations
@@ -11,18 +12,43 @@ import torch
 import torch.nn.functional as F
 
 from v1_engine.attention.backend import AttentionMetadata
-from v1_engine.kernels.cache_ops import write_to_kv_cache
+from v1_engine.kernels.cache_ops import (
+    FP8_DTYPE,
+    check_fp8_scales,
+    dequantize_fp8,
+    write_to_kv_cache,
+)
 
 
 def gather_paged_kv(
-    kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
+    kv_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    seq_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `seq_len` tokens' K and V [seq_len, Hkv, D] of one request, in position order."""
+    """The first `seq_len` tokens' K and V [seq_len, Hkv, D] of one request, in position order.
+
+    An fp8 cache comes back dequantized to float32 with k_scale / v_scale; others as stored.
+    """
     block_size = kv_cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
     blocks = kv_cache[:, block_ids[:num_blocks].long()]  # [2, nb, block_size, Hkv, D]
     flat = blocks.reshape(2, num_blocks * block_size, *kv_cache.shape[3:])
-    return flat[0, :seq_len], flat[1, :seq_len]
+    return _dequantized(flat[0, :seq_len], flat[1, :seq_len], k_scale, v_scale)
+
+
+def _dequantized(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V read from the cache, in float32 when the cache is fp8 (as stored otherwise)."""
+    if key.dtype != FP8_DTYPE:
+        return key, value
+    check_fp8_scales(k_scale, v_scale, key.device)
+    return dequantize_fp8(key, k_scale), dequantize_fp8(value, v_scale)
 
 
 def causal_attention(
@@ -52,6 +78,8 @@ def batched_decode_attention(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per request (decode), all requests in one padded batch.
 
@@ -68,8 +96,9 @@ def batched_decode_attention(
     table = block_table.long().to(query.device)
     slots = table.gather(1, positions // block_size) * block_size + positions % block_size
     flat = kv_cache.view(2, -1, num_kv_heads, head_size)
-    k = flat[0][slots].float().transpose(1, 2)  # [R, Hkv, L, D]
-    v = flat[1][slots].float().transpose(1, 2)
+    k, v = _dequantized(flat[0][slots], flat[1][slots], k_scale, v_scale)
+    k = k.float().transpose(1, 2)  # [R, Hkv, L, D]
+    v = v.float().transpose(1, 2)
     q = query.float()[:, :, None, :]  # [R, Hq, 1, D]
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
@@ -91,10 +120,18 @@ class CPUAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         output: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
+        """See AttentionBackend.forward; k_scale / v_scale (float32 [1]) serve an fp8 cache."""
         num_actual = metadata.num_actual_tokens
         write_to_kv_cache(
-            key[:num_actual], value[:num_actual], kv_cache, metadata.slot_mapping[:num_actual]
+            key[:num_actual],
+            value[:num_actual],
+            kv_cache,
+            metadata.slot_mapping[:num_actual],
+            k_scale,
+            v_scale,
         )
         query_starts = metadata.query_start_loc_cpu.tolist()
         seq_lens = metadata.seq_lens_cpu.tolist()
@@ -110,6 +147,8 @@ class CPUAttentionBackend:
                 metadata.block_table[rows],
                 metadata.seq_lens_cpu[rows],
                 scale,
+                k_scale,
+                v_scale,
             )
             decode_set = set(decode_rows)
         else:
@@ -118,7 +157,9 @@ class CPUAttentionBackend:
             start, end = query_starts[i], query_starts[i + 1]
             if end == start or i in decode_set:
                 continue
-            cached_k, cached_v = gather_paged_kv(kv_cache, metadata.block_table[i], seq_len)
+            cached_k, cached_v = gather_paged_kv(
+                kv_cache, metadata.block_table[i], seq_len, k_scale, v_scale
+            )
             output[start:end] = causal_attention(query[start:end], cached_k, cached_v, scale)
         # Padding rows (a batch padded for a captured graph) get zeros, never stale values.
         output[num_actual:].zero_()

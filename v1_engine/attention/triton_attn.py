@@ -40,10 +40,17 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
         output: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         num_actual = metadata.num_actual_tokens
         write_to_kv_cache(
-            key[:num_actual], value[:num_actual], kv_cache, metadata.slot_mapping[:num_actual]
+            key[:num_actual],
+            value[:num_actual],
+            kv_cache,
+            metadata.slot_mapping[:num_actual],
+            k_scale,
+            v_scale,
         )
         self._paged_attention(
             query[:num_actual],
@@ -56,6 +63,8 @@ class TritonAttentionBackend:
             scale,
             output[:num_actual],
             num_splits=self.num_splits,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         # Padding rows (a batch padded for a captured graph) get zeros, never stale values.
         if output.shape[0] > num_actual:

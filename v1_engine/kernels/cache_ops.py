@@ -6,6 +6,12 @@ compiled kernel of csrc/cache_kernels.cu through the C ABI (v1_engine/kernels/_C
 other device it runs the PyTorch implementation below (eager CPU calls that implementation
 directly). There is deliberately no silent CUDA fallback: a CUDA run without the compiled library
 raises, so a broken build is never mistaken for a slow kernel.
+
+FP8 cache. A float8_e4m3fn cache stores `clamp(x / scale, -448, 448)` rounded to nearest even,
+with one float32 scale per layer for K and one for V (`k_scale`, `v_scale`: [1] tensors on the
+cache's device, read by the kernels from memory so a captured CUDA graph never bakes a value in).
+On CUDA the quantizing write is the Triton kernel of triton_cache.py (the compiled kernel copies
+same-dtype elements only); elsewhere the PyTorch implementation below, which rounds identically.
 """
 
 from __future__ import annotations
@@ -14,27 +20,52 @@ import torch
 
 from v1_engine.kernels import _C
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+"""The largest finite e4m3 magnitude: quantized values saturate here instead of becoming NaN."""
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE)
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def write_to_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """key/value [T, Hkv, D] into kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping [T].
 
     key/value may hold more rows than slot_mapping (a padded batch): only the first T are written.
-    A negative slot marks a padding token and is skipped.
+    A negative slot marks a padding token and is skipped. An fp8 cache needs k_scale / v_scale
+    (float32 [1]); other caches ignore them.
     """
     if kv_cache.is_cpu and not torch.compiler.is_compiling():
         # Eager CPU runs the op's own implementation without the dispatcher round trip, which
         # costs more than the copy itself (about 60 us per layer per step at decode sizes).
-        _reshape_and_cache_torch(key, value, kv_cache, slot_mapping)
+        _reshape_and_cache_torch(key, value, kv_cache, slot_mapping, k_scale, v_scale)
         return
-    torch.ops.v1_engine.reshape_and_cache(key, value, kv_cache, slot_mapping)
+    torch.ops.v1_engine.reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in e4m3 (saturated at +-448, rounded to nearest even): the reference of the write."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 values back to float32: x * scale, what every attention reader computes."""
+    return x.float() * scale
 
 
 def check_cache_args(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Raises ValueError naming the argument that does not fit the cache layout."""
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
@@ -63,42 +94,88 @@ def check_cache_args(
             raise ValueError(
                 f"{name} has {tensor.shape[0]} rows, fewer than slot_mapping's {num_tokens}"
             )
-        if tensor.dtype != kv_cache.dtype:
+        if kv_cache.dtype == FP8_DTYPE:
+            if tensor.dtype not in INPUT_DTYPES:
+                raise ValueError(f"{name} dtype must be one of {INPUT_DTYPES}, got {tensor.dtype}")
+        elif tensor.dtype != kv_cache.dtype:
             raise ValueError(
                 f"{name} dtype {tensor.dtype} differs from kv_cache's {kv_cache.dtype}"
             )
     for name, tensor in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
         if tensor.device != kv_cache.device:
             raise ValueError(f"{name} is on {tensor.device}, kv_cache on {kv_cache.device}")
+    if kv_cache.dtype == FP8_DTYPE:
+        check_fp8_scales(k_scale, v_scale, kv_cache.device)
+
+
+def check_fp8_scales(
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, device: torch.device
+) -> None:
+    """An fp8 cache needs both scales as float32 [1] tensors on its device."""
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            raise ValueError(f"an fp8 kv_cache needs {name} (a float32 tensor of shape [1])")
+        if scale.shape != (1,) or scale.dtype != torch.float32 or scale.device != device:
+            raise ValueError(
+                f"{name} must be a float32 tensor of shape [1] on {device}, got "
+                f"{scale.dtype} {tuple(scale.shape)} on {scale.device}"
+            )
 
 
 @torch.library.custom_op("v1_engine::reshape_and_cache", mutates_args=("kv_cache",))
 def reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """PyTorch implementation (CPU and any device without a compiled kernel)."""
-    _reshape_and_cache_torch(key, value, kv_cache, slot_mapping)
+    _reshape_and_cache_torch(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def _reshape_and_cache_torch(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
-    check_cache_args(key, value, kv_cache, slot_mapping)
+    check_cache_args(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     num_tokens = slot_mapping.shape[0]
     key, value = key[:num_tokens], value[:num_tokens]
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
     if bool((slot_mapping < 0).any()):  # padding tokens present: drop them first
         keep = slot_mapping >= 0
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    if kv_cache.dtype == FP8_DTYPE:
+        # index_copy_ has no fp8 kernel on the CPU: copy the bytes.
+        key = quantize_fp8(key, k_scale).view(torch.uint8)
+        value = quantize_fp8(value, v_scale).view(torch.uint8)
+        flat = flat.view(torch.uint8)
     flat[0].index_copy_(0, slot_mapping, key)
     flat[1].index_copy_(0, slot_mapping, value)
 
 
 @reshape_and_cache.register_kernel("cuda")
 def _reshape_and_cache_cuda(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    check_cache_args(key, value, kv_cache, slot_mapping)
+    check_cache_args(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    if kv_cache.dtype == FP8_DTYPE:
+        # Imported here: the bf16/fp16 path and CPU-only installs never need triton.
+        from v1_engine.kernels.triton_cache import quantize_and_cache
+
+        with torch.cuda.device(kv_cache.device):
+            quantize_and_cache(key, value, kv_cache, slot_mapping.contiguous(), k_scale, v_scale)
+        return
     lib = _C.load_library()
     if lib is None:
         raise RuntimeError(
@@ -131,9 +208,14 @@ def _reshape_and_cache_cuda(
 
 @reshape_and_cache.register_fake
 def _reshape_and_cache_fake(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    check_cache_args(key, value, kv_cache, slot_mapping)
+    check_cache_args(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def _with_dense_rows(x: torch.Tensor) -> torch.Tensor:

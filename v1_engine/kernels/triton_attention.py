@@ -20,6 +20,13 @@ Precision: scores and the softmax run in float32 (exp2 with the scale folded int
 float32 inputs use IEEE dot products, 16-bit inputs the tensor cores with float32 accumulation.
 Head sizes that are not powers of two are padded to the next one with masked loads.
 
+FP8 cache. An e4m3 cache (KV_FP8) is read as it is stored and widened to the query's dtype, which
+holds every e4m3 value exactly, so the dot products see the stored values. The per-layer scales
+are scalars, so dequantizing (k * k_scale, v * v_scale in float32) is folded into the float32
+math: k_scale into the score scale, v_scale into the normalised output. They are loaded from
+device memory (pointers, not values), so a captured CUDA graph follows a scale set later. With a
+16-bit cache the flag is off and the kernel is the same code as before.
+
 Nothing here reads a device tensor on the host, so a launch can be captured in a CUDA graph; the
 host decisions use only python ints (token count, request count, max query/seq length).
 """
@@ -33,8 +40,11 @@ import torch
 import triton
 import triton.language as tl
 
+from v1_engine.kernels.cache_ops import check_fp8_scales
+
 _LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_CACHE_DTYPE = torch.float8_e4m3fn
 
 
 @triton.jit
@@ -66,6 +76,8 @@ def _paged_attention_kernel(
     block_table_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     num_reqs,
     num_splits,
@@ -89,6 +101,7 @@ def _paged_attention_kernel(
     USE_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -120,6 +133,8 @@ def _paged_attention_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
     q_pos = context_len + tok_local  # absolute position of each row's token
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
 
     # Keys visible to this q-block: positions up to its last token's (causal).
     last_local = tl.minimum(local_block * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -148,8 +163,8 @@ def _paged_attention_kernel(
         kv_mask = pos_valid[:, None] & dim_valid[None, :]
         k_mask = pos_valid[None, :] & dim_valid[:, None]
         k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None], mask=k_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
+        if DOT_F32 or KV_FP8:
+            k = k.to(q.dtype)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -158,13 +173,15 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32:
-            v = v.to(tl.float32)
+        if DOT_F32 or KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     result = acc / l_safe[:, None]
+    if KV_FP8:
+        result = result * tl.load(v_scale_ptr)
     if USE_SPLITS:
         # Partials are [tokens, NUM_HEADS, num_splits, HEAD_PAD] and [tokens, NUM_HEADS, splits].
         stat_off = (token * NUM_HEADS + head) * num_splits + split
@@ -281,6 +298,8 @@ def paged_attention(
     scale: float,
     output: torch.Tensor,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of query [T, Hq, D] over the paged cache, written into output [T, Hq, D].
 
@@ -288,12 +307,18 @@ def paged_attention(
     new ones); request i owns query rows query_start_loc[i]:query_start_loc[i+1], the last rows of
     its seq_lens[i] positions. block_table [R, max_blocks] int32, seq_lens [R] int32,
     query_start_loc [R+1] int32, all on query's device. `num_splits` forces the split-KV factor
-    (None picks it from the shape).
+    (None picks it from the shape). A float8_e4m3fn cache holds K / k_scale and V / v_scale
+    (float32 [1] tensors, required then); a cache in the query's dtype ignores the scales.
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[3]
     block_size = kv_cache.shape[2]
     _check_args(query, kv_cache, block_table, seq_lens, query_start_loc, output)
+    kv_fp8 = kv_cache.dtype == FP8_CACHE_DTYPE
+    if kv_fp8:
+        check_fp8_scales(k_scale, v_scale, kv_cache.device)
+    else:
+        k_scale = v_scale = seq_lens  # unused by the kernel
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return
@@ -337,6 +362,8 @@ def paged_attention(
         block_table,
         seq_lens,
         query_start_loc,
+        k_scale,
+        v_scale,
         scale * _LOG2E,
         num_reqs,
         num_splits,
@@ -360,6 +387,7 @@ def paged_attention(
         USE_SPLITS=use_splits,
         DOT_PRECISION="ieee" if dot_f32 else "tf32",
         DOT_F32=dot_f32,
+        KV_FP8=kv_fp8,
         num_warps=num_warps,
         num_stages=2,
     )
@@ -403,10 +431,10 @@ def _check_args(
             f"query heads/size ({num_heads}, {head_size}) do not fit kv_cache's "
             f"({num_kv_heads}, {kv_cache.shape[4]}): heads must be a multiple of kv heads"
         )
-    if query.dtype not in SUPPORTED_DTYPES or kv_cache.dtype != query.dtype:
+    if query.dtype not in SUPPORTED_DTYPES or kv_cache.dtype not in (query.dtype, FP8_CACHE_DTYPE):
         raise ValueError(
-            f"query and kv_cache dtypes must match and be one of {SUPPORTED_DTYPES}, got "
-            f"{query.dtype} and {kv_cache.dtype}"
+            f"query dtype must be one of {SUPPORTED_DTYPES} and kv_cache's the same or "
+            f"{FP8_CACHE_DTYPE}, got {query.dtype} and {kv_cache.dtype}"
         )
     if output.shape != query.shape or output.dtype != query.dtype or output.stride(2) != 1:
         raise ValueError(

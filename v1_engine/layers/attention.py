@@ -3,6 +3,11 @@
 `Attention.forward` calls `torch.ops.v1_engine.unified_attention`, which torch.compile treats as a
 black box (the graph is split there). At run time the op looks up the step's metadata, the
 backend and this layer's KV cache (bound by the model runner) in the forward context.
+
+The cache's dtype is the model runner's choice (kv_cache_dtype): the model dtype, or
+float8_e4m3fn, which stores K / k_scale and V / v_scale. The scales are per-layer float32 [1]
+buffers on the layer (1.0 unless a checkpoint or a calibration sets them); they live on the
+device so that backends read them in their kernels and CUDA graphs see later updates.
 """
 
 from __future__ import annotations
@@ -29,7 +34,17 @@ def unified_attention(
         # A run without KV cache (memory profiling): shapes matter, values do not.
         output.zero_()
         return
-    context.attn_backend.forward(query, key, value, layer.kv_cache, metadata, layer.scale, output)
+    context.attn_backend.forward(
+        query,
+        key,
+        value,
+        layer.kv_cache,
+        metadata,
+        layer.scale,
+        output,
+        k_scale=layer.k_scale,
+        v_scale=layer.v_scale,
+    )
 
 
 @unified_attention.register_fake
@@ -47,7 +62,8 @@ class Attention(nn.Module):
     """Causal attention over the paged KV cache of one layer.
 
     `kv_cache` [2, num_blocks, block_size, num_kv_heads, head_size] is bound by the model runner
-    after it sizes the cache; until then it is an empty tensor.
+    after it sizes the cache; until then it is an empty tensor. `k_scale` / `v_scale` (float32
+    [1], default 1.0) dequantize an fp8 cache; a 16- or 32-bit cache ignores them.
     """
 
     def __init__(
@@ -61,6 +77,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_name = layer_name
         self.kv_cache = torch.empty(0)
+        # Not persistent: checkpoints without scales load unchanged; with the model's device.
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """The paged cache this layer needs (an MLA layer stores one latent per token instead)."""

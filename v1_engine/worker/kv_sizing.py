@@ -5,14 +5,48 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from v1_engine.config import CacheConfig
+
 logger = logging.getLogger(__name__)
+
+FP8_KV_CACHE_NAMES = ("fp8", "fp8_e4m3")
+
+
+def resolve_kv_cache_dtype(
+    cache_config: CacheConfig, model_dtype: torch.dtype, layers: Iterable[nn.Module] = ()
+) -> torch.dtype:
+    """The dtype the KV cache is allocated in: the model dtype for "auto", e4m3 for "fp8".
+
+    Raises ValueError for an fp8 cache when one of `layers` cannot read it: only the standard
+    attention layer has the fp8 path (an MLA layer's latent cache stays in the model dtype).
+    """
+    name = cache_config.kv_cache_dtype
+    if name == "auto":
+        return model_dtype
+    if name not in FP8_KV_CACHE_NAMES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {('auto', *FP8_KV_CACHE_NAMES)}, got {name!r}"
+        )
+    from v1_engine.layers.attention import Attention
+
+    unsupported = [layer for layer in layers if not isinstance(layer, Attention)]
+    if unsupported:
+        first = unsupported[0]
+        raise ValueError(
+            f"kv_cache_dtype={name!r} is supported only by standard attention layers, but "
+            f"{len(unsupported)} layers (e.g. {getattr(first, 'layer_name', '?')}) are "
+            f"{type(first).__name__}, whose cache stays in the model dtype: use "
+            f"kv_cache_dtype='auto' for this model"
+        )
+    return torch.float8_e4m3fn
 
 
 def kv_bytes_per_block(layers: Sequence, block_size: int, dtype: torch.dtype) -> int:

@@ -32,6 +32,7 @@ from v1_engine.worker.kv_sizing import (
     make_dummy_forward,
     num_kv_blocks_for_budget,
     profile_kv_budget,
+    resolve_kv_cache_dtype,
 )
 from v1_engine.worker.step_output import PendingTokens, StepOutput, copy_to_host
 
@@ -69,6 +70,9 @@ class ModelRunner:
             seed=mc.seed,
             quantization=mc.quantization,
         )
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            config.cache_config, self.dtype, self.model.attention_layers()
+        )
         self.startup_s: dict[str, float] = {"weight load": time.perf_counter() - start}
         """Startup breakdown in seconds, logged once the forward is ready."""
         self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model
@@ -92,7 +96,7 @@ class ModelRunner:
     def determine_num_kv_blocks(self) -> int:
         cc = self.config.cache_config
         layers = self.model.attention_layers()
-        per_block = kv_bytes_per_block(layers, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(layers, self.block_size, self.kv_cache_dtype)
         if cc.num_kv_blocks is not None:
             return cc.num_kv_blocks
         if self.device.type == "cuda":
@@ -123,7 +127,7 @@ class ModelRunner:
             self.model,
             dummy_forward,
             block_size=self.block_size,
-            kv_dtype=self.dtype,
+            kv_dtype=self.kv_cache_dtype,
             gpu_memory_utilization=cc.gpu_memory_utilization,
             device=self.device,
             profiled_tokens=sc.max_num_batched_tokens,
@@ -199,7 +203,7 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.model.attention_layers():
             shape = layer.kv_cache_shape(num_blocks, self.block_size)
-            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
         logger.info(

@@ -1,0 +1,124 @@
+"""The FP8 K/V cache write in Triton: quantize each new token's K and V and scatter them into the
+paged e4m3 cache at their slots.
+
+One program per token writes all of its kv heads, for K and V. A negative slot marks a padding
+token and the program returns. The per-layer scales are read from device memory, so a CUDA graph
+that captured the launch sees a scale updated later; nothing here reads a device value on the
+host, and the grid depends only on tensor shapes.
+
+Rounding. The value stored is `clamp(x / scale, -448, 448)` rounded to the nearest e4m3 value,
+ties to even: exactly what `torch.Tensor.to(torch.float8_e4m3fn)` produces. The kernel rounds onto
+the e4m3 grid in float32 itself and then casts a value the cast represents exactly: the Triton
+interpreter's float-to-fp8 cast does not round to nearest even (and loses mantissa carries), so
+with an explicit rounding the interpreter, the GPU and the PyTorch path agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round_to_e4m3_grid(x):
+    """float32 x with |x| <= 448, rounded to the nearest e4m3 value (ties to even), as float32.
+
+    Between 2^e and 2^(e+1) e4m3 values are spaced 2^(e-3); below 2^-6 (subnormals) the spacing
+    stays 2^-9. Scaling by a power of two is exact, so the rounding is that of an integer.
+    """
+    magnitude = tl.abs(x)
+    exponent = (magnitude.to(tl.int32, bitcast=True) >> 23) - 127
+    spacing_exp = tl.maximum(exponent, -6) - 3
+    spacing = ((spacing_exp + 127) << 23).to(tl.float32, bitcast=True)
+    inv_spacing = ((127 - spacing_exp) << 23).to(tl.float32, bitcast=True)
+    steps = magnitude * inv_spacing
+    whole = steps.to(tl.int32)  # steps >= 0: truncation is the floor
+    frac = steps - whole.to(tl.float32)
+    round_up = (frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))
+    rounded = (whole + round_up.to(tl.int32)).to(tl.float32) * spacing
+    return tl.where(x < 0, -rounded, rounded)
+
+
+@triton.jit
+def _quantize_row(src_ptr, dst_ptr, scale, offs_src, offs_dst, mask):
+    x = tl.load(src_ptr + offs_src, mask=mask, other=0.0).to(tl.float32)
+    x = tl.div_rn(x, scale)
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)  # cache_ops.FP8_MAX: saturate, never NaN
+    x = _round_to_e4m3_grid(x)
+    tl.store(dst_ptr + offs_dst, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quantize_and_cache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_PAD)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_SIZE)
+    offs_dst = slot * (NUM_KV_HEADS * HEAD_SIZE) + heads[:, None] * HEAD_SIZE + dims[None, :]
+    offs_k = token * stride_kt + heads[:, None] * stride_kh + dims[None, :]
+    offs_v = token * stride_vt + heads[:, None] * stride_vh + dims[None, :]
+    _quantize_row(key_ptr, k_cache_ptr, tl.load(k_scale_ptr), offs_k, offs_dst, mask)
+    _quantize_row(value_ptr, v_cache_ptr, tl.load(v_scale_ptr), offs_v, offs_dst, mask)
+
+
+def quantize_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Quantize key/value [>=T, Hkv, D] into the e4m3 kv_cache [2, blocks, block_size, Hkv, D].
+
+    Token t goes to slot_mapping[t] (negative: skipped); only the first T = len(slot_mapping)
+    rows are read. k_scale / v_scale are float32 [1] tensors on the cache's device. The caller
+    validates the arguments (cache_ops.check_cache_args).
+    """
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    if key.stride(2) != 1:
+        key = key.contiguous()
+    if value.stride(2) != 1:
+        value = value.contiguous()
+    num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
+    head_pad = triton.next_power_of_2(head_size)
+    _quantize_and_cache_kernel[(num_tokens,)](
+        key,
+        value,
+        kv_cache[0],
+        kv_cache[1],
+        slot_mapping,
+        k_scale,
+        v_scale,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_SIZE=head_size,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_PAD=head_pad,
+        num_warps=4 if num_kv_heads * head_pad >= 1024 else 2,
+    )
