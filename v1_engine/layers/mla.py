@@ -111,8 +111,10 @@ class MLAAttention(nn.Module):
     def absorb(self, kv_b_weight: torch.Tensor) -> None:
         """Split kv_b_proj's weight [H * (nope + v), kv_lora_rank] into W_UK and W_UV.
 
-        Both are strided VIEWS of that weight, not copies: decode (absorbed) and prefill
+        Both are strided VIEWS of the tensor given, not copies: decode (absorbed) and prefill
         (expanded) only ever use W_UK and W_UV, so the model holds kv_b_proj's values once. The
+        caller passes kv_b_proj's own weight when it is in the model dtype, or a dequantized
+        copy of an FP8 one (the views then keep that copy alive, nothing else does). The
         batched matmuls take the strides as they are (W_UV is column-major per head)."""
         per_head = kv_b_weight.view(
             self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank

@@ -14,6 +14,10 @@ the custom op `torch.ops.v1_engine.fused_moe`: its data-dependent shapes stay op
 torch.compile (a fake impl gives the output shape). On CUDA the op runs the fused Triton kernels
 of kernels/triton_moe.py (align by expert, grouped GEMMs with SiLU-and-mul fused, no host sync);
 every other device runs the reference.
+
+`RoutedExperts` holds the experts in the model dtype or, under an FP8 quantization config, in
+block FP8 (e4m3 plus a float32 scale per 128x128 block, passed to the op as w13_scale / w2_scale):
+see layers/quantization/fp8_moe.py for which form a layer takes.
 """
 
 from __future__ import annotations
@@ -24,11 +28,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from v1_engine.kernels.fp8 import FP8_DTYPE
 from v1_engine.layers.linear import copy_checked
+from v1_engine.layers.quantization.base import replace_parameter
+from v1_engine.layers.quantization.context import current_quant_config
+from v1_engine.layers.quantization.fp8_moe import (
+    block_grid,
+    expert_weight_format,
+    quantize_experts_block_fp8,
+)
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 FP8_BLOCK = 128
 """Block-FP8 experts carry one float32 scale per FP8_BLOCK x FP8_BLOCK block of each weight."""
+PROJECTIONS = ("gate", "up", "down")
+"""The checkpoint projections of one expert (`experts.{e}.{projection}_proj`)."""
 
 
 @dataclass(frozen=True)
@@ -231,50 +245,128 @@ class RoutedExperts(nn.Module):
     Checkpoints store them per expert (gate_proj / up_proj / down_proj of expert e) or already
     stacked (gate_up_proj [E, 2I, H], down_proj [E, H, I]); `weight_loader` takes either, with
     shard ids ("gate", e), ("up", e), ("down", e), or "gate_up" / "down" for a stacked tensor.
+
+    Under an FP8 quantization config (layers/quantization/fp8_moe.py) the weights are e4m3 with
+    float32 block scales `w13_weight_scale_inv` [E, 2I/128, ceil(H/128)] and
+    `w2_weight_scale_inv` [E, ceil(H/128), ceil(I/128)]: loaded per expert from a block-FP8
+    checkpoint's `weight_scale_inv` tensors (gate's block rows, then up's), or computed after
+    loading for `quantization="fp8"`. `prefix` is the checkpoint name of the experts module
+    ("model.layers.3.mlp.experts"), matched against modules_to_not_convert.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, prefix: str = ""
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
-        w13 = torch.empty(num_experts, 2 * intermediate_size, hidden_size)
-        self.w13_weight = nn.Parameter(w13, requires_grad=False)
-        self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
-        )
-        self.w13_weight.weight_loader = self.weight_loader
-        self.w2_weight.weight_loader = self.weight_loader
+        names = [f"{prefix}.{e}.{p}_proj" for e in range(num_experts) for p in PROJECTIONS]
+        self.weight_format = expert_weight_format(current_quant_config(), names)
+        from_checkpoint = self.weight_format == "checkpoint_block_fp8"
+        if from_checkpoint and intermediate_size % FP8_BLOCK:
+            raise ValueError(
+                f"moe_intermediate_size must be a multiple of {FP8_BLOCK} for block-FP8 experts "
+                f"(gate and up are stacked on a block boundary), got {intermediate_size}"
+            )
+        weight_dtype = FP8_DTYPE if from_checkpoint else None
+        shapes = {
+            "w13": (num_experts, 2 * intermediate_size, hidden_size),
+            "w2": (num_experts, hidden_size, intermediate_size),
+        }
+        for name, shape in shapes.items():
+            self._new_parameter(f"{name}_weight", torch.empty(shape, dtype=weight_dtype))
+            if from_checkpoint:
+                grid = (num_experts, *block_grid(shape[1], shape[2]))
+                scale = torch.empty(grid, dtype=torch.float32)
+                self._new_parameter(f"{name}_weight_scale_inv", scale).is_quant_scale = True
+            else:
+                self.register_parameter(f"{name}_weight_scale_inv", None)
+
+    def _new_parameter(self, name: str, data: torch.Tensor) -> nn.Parameter:
+        param = nn.Parameter(data, requires_grad=False)
+        param.weight_loader = self.weight_loader
+        self.register_parameter(name, param)
+        return param
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.w13_weight.dtype == FP8_DTYPE
 
     def required_shards(self, param_name: str) -> set[object]:
         """Every shard id that, loaded, fills the parameter (either form counts)."""
-        parts = ("gate", "up") if param_name == "w13_weight" else ("down",)
+        parts = ("gate", "up") if param_name.startswith("w13") else ("down",)
         return {(part, e) for part in parts for e in range(self.num_experts)}
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object
     ) -> set[object]:
-        """Copy one checkpoint tensor; returns the shard ids it covered."""
-        size = self.intermediate_size
+        """Copy one checkpoint tensor (a weight or its block scales); returns the shard ids it
+        covered."""
+        if getattr(param, "is_quant_scale", False):
+            what = "block scales"
+        else:
+            what = "weight"
+            _check_fp8_agreement(param, loaded_weight, shard_id)
         if shard_id in ("gate_up", "down"):
-            copy_checked(param.data, loaded_weight, f"experts {shard_id}")
-            parts = ("gate", "up") if shard_id == "gate_up" else ("down",)
-            return {(part, e) for part in parts for e in range(self.num_experts)}
+            copy_checked(param.data, loaded_weight, f"experts {shard_id} {what}")
+            return self.required_shards("w13" if shard_id == "gate_up" else "w2")
         assert isinstance(shard_id, tuple), f"expert shard id {shard_id!r}"
         part, expert = shard_id
         target = param.data[expert]
+        half = target.shape[0] // 2  # gate rows then up rows (scales: block rows)
         if part == "gate":
-            target = target[:size]
+            target = target[:half]
         elif part == "up":
-            target = target[size:]
-        copy_checked(target, loaded_weight, f"expert {expert} {part}_proj")
+            target = target[half:]
+        copy_checked(target, loaded_weight, f"expert {expert} {part}_proj {what}")
         return {shard_id}
+
+    def process_weights_after_loading(self) -> None:
+        """quantization="fp8": quantize the loaded experts per 128x128 block (once)."""
+        if self.weight_format != "online_block_fp8" or self.is_fp8:
+            return
+        for name in ("w13", "w2"):
+            q, scale = quantize_experts_block_fp8(getattr(self, f"{name}_weight").data)
+            replace_parameter(self, f"{name}_weight", q)
+            replace_parameter(self, f"{name}_weight_scale_inv", scale)
+
+    def dequantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) in float32 whatever the storage, for code and tests that need the values."""
+        if not self.is_fp8:
+            return self.w13_weight.float(), self.w2_weight.float()
+        return (
+            dequantize_block_fp8(self.w13_weight, self.w13_weight_scale_inv),
+            dequantize_block_fp8(self.w2_weight, self.w2_weight_scale_inv),
+        )
 
     def forward(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         return torch.ops.v1_engine.fused_moe(
-            hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids
+            hidden_states,
+            self.w13_weight,
+            self.w2_weight,
+            topk_weights,
+            topk_ids,
+            self.w13_weight_scale_inv,
+            self.w2_weight_scale_inv,
         )
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, intermediate={self.intermediate_size}"
+        return (
+            f"experts={self.num_experts}, intermediate={self.intermediate_size}, "
+            f"format={self.weight_format}"
+        )
+
+
+def _check_fp8_agreement(
+    param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object
+) -> None:
+    """An e4m3 expert copied into high-precision storage (or the reverse) would silently lose
+    its scale: refuse it, naming the config that decides the storage."""
+    if (param.dtype == FP8_DTYPE) != (loaded_weight.dtype == FP8_DTYPE):
+        raise ValueError(
+            f"checkpoint tensor for experts shard {shard_id!r} has dtype {loaded_weight.dtype} "
+            f"but the layer holds {param.dtype}: the checkpoint's quantization_config "
+            f"(quant_method, weight_block_size, modules_to_not_convert) does not describe it"
+        )

@@ -7,6 +7,11 @@ q_lora_rank is set. The first `first_k_dense_replace` layers have a dense MLP, t
 of routed experts plus shared experts (layers/moe.py). V3 checkpoints may carry multi-token-
 prediction layers after the last decoder layer: they are skipped when loading.
 
+Block-FP8 checkpoints (DeepSeek-V3's own format, `weight_block_size: [128, 128]`) load as stored:
+every Linear through the block linear method, the routed experts as stacked e4m3 tensors with
+their per-expert `weight_scale_inv` block scales, which the fused MoE op consumes. The router
+stays float32 and kv_b_proj is absorbed from its dequantized weight.
+
 Like the Llama model, `forward` takes the step's tokens [T] and positions [T] packed without
 padding.
 """
@@ -41,7 +46,9 @@ logger = logging.getLogger(__name__)
 # The reference builds the q_a / kv_a norms with the default epsilon, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT_WEIGHT = re.compile(
+    r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$"
+)
 _STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up|down)_proj$")
 _DENSE_STACKED = ((".gate_proj.", ".gate_up_proj.", 0), (".up_proj.", ".gate_up_proj.", 1))
 
@@ -85,14 +92,17 @@ def router_config_of(config: Any) -> RouterConfig:
 class DeepseekMoE(nn.Module):
     """Routed experts (top-k per token) plus shared experts every token goes through."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, prefix: str) -> None:
         super().__init__()
         router = router_config_of(config)
         self.gate = MoEGate(
             config.hidden_size, router, with_correction_bias=router.topk_method == "noaux_tc"
         )
         self.experts = RoutedExperts(
-            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+            config.n_routed_experts,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            prefix=f"{prefix}.experts",
         )
         num_shared = config.n_shared_experts or 0
         self.shared_experts = None
@@ -152,7 +162,15 @@ class DeepseekAttention(nn.Module):
         )
 
     def process_weights_after_loading(self) -> None:
-        self.mla_attn.absorb(self.kv_b_proj.weight)
+        """Absorb kv_b_proj into the MLA layer. A weight held in the model dtype is split into
+        views (one copy of its values); an FP8 one is dequantized once into the model dtype and
+        W_UK / W_UV view that copy. No path calls kv_b_proj afterwards (decode and prefill both
+        use W_UK / W_UV), so its e4m3 tensor is never multiplied."""
+        weight = self.kv_b_proj.weight
+        model_dtype = self.kv_a_layernorm.weight.dtype
+        if weight.dtype != model_dtype:
+            weight = self.kv_b_proj.dequantized_weight().to(model_dtype)
+        self.mla_attn.absorb(weight)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
@@ -177,7 +195,7 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         super().__init__()
         self.self_attn = DeepseekAttention(config, rotary_emb, prefix=f"{prefix}.self_attn")
         if layer_idx >= (config.first_k_dense_replace or 0):
-            self.mlp: nn.Module = DeepseekMoE(config)
+            self.mlp: nn.Module = DeepseekMoE(config, prefix=f"{prefix}.mlp")
         else:
             self.mlp = DeepseekMLP(
                 config.hidden_size,
@@ -222,9 +240,12 @@ class DeepseekV2ForCausalLM(CausalLMBase):
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
-        """Split every kv_b_proj into W_UK / W_UV (weight absorption); run after any load."""
+        """Split every kv_b_proj into W_UK / W_UV (weight absorption) and, for
+        quantization="fp8", quantize the routed experts; run after any load."""
         for layer in self.model.layers:
             layer.self_attn.process_weights_after_loading()
+            if isinstance(layer.mlp, DeepseekMoE):
+                layer.mlp.experts.process_weights_after_loading()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors by their Hugging Face names (experts per expert or stacked);
@@ -282,9 +303,9 @@ def _param_name_of(name: str) -> tuple[str, object]:
     """(our parameter name, shard id or None) for a checkpoint tensor name."""
     match = _EXPERT_WEIGHT.match(name)
     if match:
-        prefix, expert, part = match.groups()
-        param = "w2_weight" if part == "down" else "w13_weight"
-        return f"{prefix}.{param}", (part, int(expert))
+        prefix, expert, part, kind = match.groups()
+        param = "w2" if part == "down" else "w13"
+        return f"{prefix}.{param}_{kind}", (part, int(expert))
     match = _STACKED_EXPERTS.match(name)
     if match:
         prefix, part = match.groups()
@@ -301,7 +322,7 @@ def _required_shards(model: nn.Module) -> dict[str, set[object]]:
     required: dict[str, set[object]] = {}
     for module_name, module in model.named_modules():
         if isinstance(module, RoutedExperts):
-            for param_name in ("w13_weight", "w2_weight"):
+            for param_name, _ in module.named_parameters(recurse=False):
                 required[f"{module_name}.{param_name}"] = module.required_shards(param_name)
         elif isinstance(module, MergedColumnLinear):
             for param_name, _ in module.named_parameters(recurse=False):
