@@ -17,6 +17,11 @@ constexpr int kNumScaledMmConfigs = 8;
 constexpr int kNumBlockScaledConfigs = 2;
 constexpr int kBlockScaledSmallMMax = 64;
 
+// Records, printf-style, why the calling thread's current FP8 GEMM call fails; the C entry points
+// hand it out through v1e_fp8_gemm_error() (scaled_mm_entry.cu owns the storage). Returns
+// cudaErrorInvalidValue, the code every such rejection carries.
+int set_error(const char* format, ...) __attribute__((format(printf, 1, 2)));
+
 struct ScaledMmParams {
   void* out;
   const void* a;
@@ -36,7 +41,8 @@ struct BlockScaledMmParams {
   void* out;
   const void* a;
   const void* b;
-  const float* scale_a;  // M-major: (m, kb) at scale_a[kb * ld_scale_a + m]
+  const float* scale_a;  // M-major: (m, kb) at scale_a[kb * ld_scale_a + m], ld_scale_a >= M
+                         // rounded up to 4 (the rows past M are read, never used)
   const float* scale_b;  // [ceil(N/128), K/128] row-major
   int64_t m, n, k, lda, ldb, ld_scale_a;
   int device;
@@ -44,8 +50,8 @@ struct BlockScaledMmParams {
   cudaStream_t stream;
 };
 
-// Each returns a cudaError_t value: cudaErrorInvalidValue when CUTLASS rejects the problem.
-// kDtype is a v1e_dtype code (bf16 or fp16 output).
+// Each returns a cudaError_t value: cudaErrorInvalidValue when CUTLASS rejects the problem, with
+// the reason recorded by set_error. kDtype is a v1e_dtype code (bf16 or fp16 output).
 template <int kDtype, int kConfig>
 int scaled_mm_run(const ScaledMmParams& params);
 

@@ -1,13 +1,34 @@
 // C entry points of the FP8 GEMMs: argument checks, then a switch to the kernel instantiation of
 // the requested tile configuration and output type (scaled_mm_*.cu). Built without CUTLASS
 // (V1E_WITH_CUTLASS undefined), the entries exist and report cudaErrorNotSupported.
+//
+// Every rejection also records its reason (which argument, which CUTLASS check) for
+// v1e_fp8_gemm_error(): the status code alone cannot tell a caller what to fix.
 #include <cuda_runtime.h>
 
+#include <cinttypes>
 #include <climits>
+#include <cstdarg>
 #include <cstdint>
+#include <cstdio>
 
 #include "scaled_mm.h"
 #include "v1engine_kernels.h"
+
+namespace {
+
+// The reason the calling thread's last FP8 GEMM call failed ("" after a success).
+thread_local char last_error[512] = "";
+
+}  // namespace
+
+int v1e::set_error(const char* format, ...) {
+  va_list args;
+  va_start(args, format);
+  vsnprintf(last_error, sizeof(last_error), format, args);
+  va_end(args);
+  return cudaErrorInvalidValue;
+}
 
 namespace {
 
@@ -37,13 +58,33 @@ cudaError_t current_device(int* device, int* sm_count) {
 }
 
 // Sizes shared by both GEMMs; the kernels index with int, so every extent must fit one.
-bool valid_problem(const void* out, const void* a, const void* b, int64_t m, int64_t n,
-                   int64_t k, int64_t lda, int64_t ldb, int dtype) {
-  return out != nullptr && a != nullptr && b != nullptr && m > 0 && n > 0 && k > 0 &&
-         m <= INT_MAX && n <= INT_MAX && k <= INT_MAX && is_output_dtype(dtype) &&
-         n % kTmaElements == 0 && k % kTmaElements == 0 && lda >= k && ldb >= k &&
-         lda % kTmaElements == 0 && ldb % kTmaElements == 0 && aligned16(out) && aligned16(a) &&
-         aligned16(b);
+// Returns cudaSuccess, or cudaErrorInvalidValue with the first violated requirement recorded.
+int check_problem(const char* what, const void* out, const void* a, const void* b, int64_t m,
+                  int64_t n, int64_t k, int64_t lda, int64_t ldb, int dtype) {
+  using v1e::set_error;
+  if (out == nullptr || a == nullptr || b == nullptr) {
+    return set_error("%s: out, a and b must not be null", what);
+  }
+  if (m <= 0 || n <= 0 || k <= 0 || m > INT_MAX || n > INT_MAX || k > INT_MAX) {
+    return set_error("%s: m, n, k must be in [1, INT_MAX], got m=%" PRId64 " n=%" PRId64
+                     " k=%" PRId64, what, m, n, k);
+  }
+  if (!is_output_dtype(dtype)) {
+    return set_error("%s: out_dtype code %d is neither bfloat16 (%d) nor float16 (%d)", what,
+                     dtype, V1E_DTYPE_BFLOAT16, V1E_DTYPE_FLOAT16);
+  }
+  if (n % kTmaElements != 0 || k % kTmaElements != 0) {
+    return set_error("%s: n (%" PRId64 ") and k (%" PRId64 ") must be multiples of 16 (TMA)",
+                     what, n, k);
+  }
+  if (lda < k || ldb < k || lda % kTmaElements != 0 || ldb % kTmaElements != 0) {
+    return set_error("%s: lda (%" PRId64 ") and ldb (%" PRId64 ") must be >= k (%" PRId64
+                     ") and multiples of 16", what, lda, ldb, k);
+  }
+  if (!aligned16(out) || !aligned16(a) || !aligned16(b)) {
+    return set_error("%s: out (%p), a (%p) and b (%p) must be 16-byte aligned", what, out, a, b);
+  }
+  return cudaSuccess;
 }
 
 #ifdef V1E_WITH_CUTLASS
@@ -68,7 +109,7 @@ int dispatch_scaled_mm(const v1e::ScaledMmParams& params, int config) {
     case 7:
       return v1e::scaled_mm_run<kDtype, 7>(params);
     default:
-      return cudaErrorInvalidValue;
+      return v1e::set_error("v1e_scaled_mm: config %d has no kernel", config);
   }
 }
 
@@ -96,20 +137,31 @@ int v1e_has_fp8_gemm(void) {
 
 int v1e_scaled_mm_num_configs(void) { return v1e::kNumScaledMmConfigs; }
 
+const char* v1e_fp8_gemm_error(void) { return last_error; }
+
 int v1e_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
                   const float* scale_b, const void* bias, int64_t m, int64_t n, int64_t k,
                   int64_t lda, int64_t ldb, int scale_a_per_row, int scale_b_per_col,
                   int out_dtype, int config, void* stream) {
-  if (!valid_problem(out, a, b, m, n, k, lda, ldb, out_dtype) || scale_a == nullptr ||
-      scale_b == nullptr || config < 0 || config >= v1e::kNumScaledMmConfigs) {
-    return cudaErrorInvalidValue;
+  last_error[0] = '\0';
+  const int status = check_problem("v1e_scaled_mm", out, a, b, m, n, k, lda, ldb, out_dtype);
+  if (status != cudaSuccess) return status;
+  if (scale_a == nullptr || scale_b == nullptr) {
+    return v1e::set_error("v1e_scaled_mm: scale_a and scale_b must not be null");
+  }
+  if (config < 0 || config >= v1e::kNumScaledMmConfigs) {
+    return v1e::set_error("v1e_scaled_mm: config %d is outside [0, %d)", config,
+                          v1e::kNumScaledMmConfigs);
   }
 #ifdef V1E_WITH_CUTLASS
   v1e::ScaledMmParams params{out, a, b, scale_a, scale_b, bias, m, n, k, lda, ldb,
                              scale_a_per_row != 0, scale_b_per_col != 0, 0, 0,
                              static_cast<cudaStream_t>(stream)};
   const cudaError_t error = current_device(&params.device, &params.sm_count);
-  if (error != cudaSuccess) return error;
+  if (error != cudaSuccess) {
+    v1e::set_error("cannot query the current device: %s", cudaGetErrorString(error));
+    return error;
+  }
   if (out_dtype == V1E_DTYPE_BFLOAT16) {
     return dispatch_scaled_mm<V1E_DTYPE_BFLOAT16>(params, config);
   }
@@ -119,6 +171,7 @@ int v1e_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
   (void)scale_a_per_row;
   (void)scale_b_per_col;
   (void)stream;
+  v1e::set_error("the library was built without the CUTLASS headers");
   return cudaErrorNotSupported;
 #endif
 }
@@ -126,22 +179,42 @@ int v1e_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
 int v1e_block_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
                         const float* scale_b, int64_t m, int64_t n, int64_t k, int64_t lda,
                         int64_t ldb, int64_t ld_scale_a, int out_dtype, void* stream) {
-  if (!valid_problem(out, a, b, m, n, k, lda, ldb, out_dtype) || scale_a == nullptr ||
-      scale_b == nullptr || k % 128 != 0 || ld_scale_a < m || ld_scale_a % 4 != 0 ||
-      ld_scale_a * (k / 128) > INT_MAX || !aligned16(scale_a)) {
-    return cudaErrorInvalidValue;
+  last_error[0] = '\0';
+  const int status =
+      check_problem("v1e_block_scaled_mm", out, a, b, m, n, k, lda, ldb, out_dtype);
+  if (status != cudaSuccess) return status;
+  if (scale_a == nullptr || scale_b == nullptr) {
+    return v1e::set_error("v1e_block_scaled_mm: scale_a and scale_b must not be null");
+  }
+  if (k % 128 != 0) {
+    return v1e::set_error("v1e_block_scaled_mm: k (%" PRId64 ") must be a multiple of 128", k);
+  }
+  const int64_t padded_m = (m + 3) / 4 * 4;
+  if (ld_scale_a < padded_m || ld_scale_a % 4 != 0 || ld_scale_a * (k / 128) > INT_MAX) {
+    return v1e::set_error("v1e_block_scaled_mm: ld_scale_a (%" PRId64
+                          ") must be a multiple of 4, >= m rounded up to 4 (%" PRId64
+                          "), and ld_scale_a * k / 128 must fit an int",
+                          ld_scale_a, padded_m);
+  }
+  if (!aligned16(scale_a)) {
+    return v1e::set_error("v1e_block_scaled_mm: scale_a (%p) must be 16-byte aligned (TMA)",
+                          static_cast<const void*>(scale_a));
   }
 #ifdef V1E_WITH_CUTLASS
   v1e::BlockScaledMmParams params{out, a, b, scale_a, scale_b, m, n, k, lda, ldb, ld_scale_a,
                                   0, 0, static_cast<cudaStream_t>(stream)};
   const cudaError_t error = current_device(&params.device, &params.sm_count);
-  if (error != cudaSuccess) return error;
+  if (error != cudaSuccess) {
+    v1e::set_error("cannot query the current device: %s", cudaGetErrorString(error));
+    return error;
+  }
   if (out_dtype == V1E_DTYPE_BFLOAT16) {
     return dispatch_block_scaled_mm<V1E_DTYPE_BFLOAT16>(params);
   }
   return dispatch_block_scaled_mm<V1E_DTYPE_FLOAT16>(params);
 #else
   (void)stream;
+  v1e::set_error("the library was built without the CUTLASS headers");
   return cudaErrorNotSupported;
 #endif
 }

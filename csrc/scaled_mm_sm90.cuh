@@ -138,20 +138,53 @@ struct ScaledMmKernel {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 };
 
-// Sets up the CUTLASS arguments, checks them and launches; no workspace, no host sync.
+// Checks the CUTLASS arguments part by part (so a rejection names the part that refused, see
+// set_error) and launches; no workspace, no host sync. `what` names the GEMM in messages.
 template <class Gemm>
-int launch_gemm(typename Gemm::Arguments& args, cudaStream_t stream) {
-  if (Gemm::get_workspace_size(args) != 0) return cudaErrorInvalidValue;  // none is passed in
+int launch_gemm(typename Gemm::Arguments& args, cudaStream_t stream, const char* what) {
+  using GemmKernel = typename Gemm::GemmKernel;
+  const auto& shape = args.problem_shape;
+  const int m = get<0>(shape), n = get<1>(shape), k = get<2>(shape);
+  const size_t workspace = Gemm::get_workspace_size(args);
+  if (workspace != 0) {
+    return set_error("%s: the CUTLASS kernel asks for a %zu-byte workspace, none is passed", what,
+                     workspace);
+  }
+  if (!GemmKernel::CollectiveMainloop::can_implement(shape, args.mainloop)) {
+    return set_error(
+        "%s: the CUTLASS mainloop rejects m=%d n=%d k=%d: a TMA-loaded operand (A, B, or the "
+        "block-scaled kernel's M-major scale A) has an extent or stride that is not a multiple "
+        "of 16 bytes",
+        what, m, n, k);
+  }
+  if (!GemmKernel::CollectiveEpilogue::can_implement(shape, args.epilogue)) {
+    return set_error(
+        "%s: the CUTLASS epilogue rejects m=%d n=%d k=%d (output rows not 16-byte aligned)", what,
+        m, n, k);
+  }
   Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
-  if (gemm.initialize(args, nullptr, stream) != cutlass::Status::kSuccess) {
-    return cudaErrorInvalidValue;
+  const cutlass::Status can = gemm.can_implement(args);
+  if (can != cutlass::Status::kSuccess) {
+    return set_error("%s: CUTLASS can_implement rejects m=%d n=%d k=%d (problem mode or tile "
+                     "scheduler): %s",
+                     what, m, n, k, cutlass::cutlassGetStatusString(can));
+  }
+  const cutlass::Status init = gemm.initialize(args, nullptr, stream);
+  if (init != cutlass::Status::kSuccess) {
+    return set_error("%s: CUTLASS initialize failed (TMA descriptor setup): %s", what,
+                     cutlass::cutlassGetStatusString(init));
   }
   if (gemm.run(stream) != cutlass::Status::kSuccess) {
     const cudaError_t error = cudaGetLastError();
+    set_error("%s: kernel launch failed: %s", what,
+              cudaGetErrorString(error != cudaSuccess ? error : cudaErrorLaunchFailure));
     return error != cudaSuccess ? error : cudaErrorLaunchFailure;
   }
-  return cudaGetLastError();
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) {
+    set_error("%s: kernel launch failed: %s", what, cudaGetErrorString(error));
+  }
+  return error;
 }
 
 template <class ElementD, class Config>
@@ -203,7 +236,7 @@ int run_scaled_mm(const ScaledMmParams& p) {
                                 {epilogue_args, nullptr, stride_d,
                                  static_cast<ElementD*>(p.out), stride_d},
                                 hw_info};
-  return launch_gemm<Gemm>(args, p.stream);
+  return launch_gemm<Gemm>(args, p.stream, "v1e_scaled_mm");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -267,14 +300,22 @@ int run_block_scaled_mm(const BlockScaledMmParams& p) {
   const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
 
   // The scale layouts CUTLASS derives assume dense scale tensors; SFA's K-block stride is
-  // replaced by the caller's padded leading dimension (TMA needs it 16-byte aligned).
-  const auto problem = make_shape(m, n, k, 1);
-  const auto sfa_dense = Kernel::ScaleConfig::tile_atom_to_shape_SFA(problem);
+  // replaced by the caller's padded leading dimension. Scale A is loaded with TMA, and the
+  // mainloop's can_implement demands that its M extent, not only its strides, be a multiple of
+  // 4 floats (16 bytes): the layout spans M rounded up to 4, rows the caller's padding holds
+  // (ld_scale_a >= that). Rows past M only scale accumulator rows the epilogue never stores.
+  const int sfa_m = (m + 3) / 4 * 4;
   const int ld_sfa = static_cast<int>(p.ld_scale_a);
+  if (ld_sfa < sfa_m) {
+    return set_error("v1e_block_scaled_mm: ld_scale_a (%d) must be >= m rounded up to 4 (%d)",
+                     ld_sfa, sfa_m);
+  }
+  const auto sfa_dense = Kernel::ScaleConfig::tile_atom_to_shape_SFA(make_shape(sfa_m, n, k, 1));
   const int k_blocks = k / kScaleBlock;
   typename Kernel::LayoutSFA layout_sfa = make_layout(
       shape(sfa_dense),
       make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, ld_sfa), ld_sfa * k_blocks));
+  const auto problem = make_shape(m, n, k, 1);
   typename Kernel::LayoutSFB layout_sfb = Kernel::ScaleConfig::tile_atom_to_shape_SFB(problem);
 
   StrideA stride_a = make_stride(p.lda, _1{}, int64_t(0));
@@ -294,7 +335,7 @@ int run_block_scaled_mm(const BlockScaledMmParams& p) {
       hw_info};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
-  return launch_gemm<Gemm>(args, p.stream);
+  return launch_gemm<Gemm>(args, p.stream, "v1e_block_scaled_mm");
 }
 
 }  // namespace sm90

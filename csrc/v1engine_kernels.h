@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define V1E_ABI_VERSION 2
+#define V1E_ABI_VERSION 3
 
 #if defined(_WIN32)
 #define V1E_API __declspec(dllexport)
@@ -66,6 +66,11 @@ V1E_API int v1e_has_fp8_gemm(void);
 /* Number of tile configurations v1e_scaled_mm accepts (config ids 0 .. n-1). */
 V1E_API int v1e_scaled_mm_num_configs(void);
 
+/* Why the calling thread's last v1e_scaled_mm / v1e_block_scaled_mm call failed: the argument
+ * check or the CUTLASS check (mainloop, epilogue, kernel, initialize) that refused it, or the
+ * launch error; "" after a success. Valid until the thread's next FP8 GEMM call. */
+V1E_API const char* v1e_fp8_gemm_error(void);
+
 /*
  * out[M, N] = (a[M, K] * scale_a) @ (b[N, K] * scale_b)^T + bias, e4m3 x e4m3 with fp32
  * accumulation (sm_90a, CUTLASS warp-specialized TMA kernels; scales and bias in the epilogue).
@@ -94,7 +99,8 @@ V1E_API int v1e_scaled_mm(void* out, const void* a, const void* b, const float* 
  * a:        e4m3 [M, K], K contiguous, rows lda elements apart.
  * b:        e4m3 [N, K], K contiguous, rows ldb elements apart.
  * scale_a:  fp32, one per 1x128 group of a, stored M-major: value (m, kb) at
- *           scale_a[kb * ld_scale_a + m], with ld_scale_a >= M a multiple of 4.
+ *           scale_a[kb * ld_scale_a + m], with ld_scale_a a multiple of 4 and >= M rounded up
+ *           to 4 (TMA loads the scales of M rounded up to 4 rows; the extra ones are unused).
  * scale_b:  fp32 [ceil(N/128), K/128] row-major (one per 128x128 block of b).
  * K must be a multiple of 128; N, lda, ldb multiples of 16.
  */

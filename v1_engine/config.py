@@ -122,7 +122,7 @@ class ParallelConfig:
 
 
 COMPILATION_LEVELS = (0, 1, 2)
-FUSION_PASSES = ("add_rms_norm", "silu_and_mul")
+FUSION_PASSES = ("add_rms_norm", "silu_and_mul", "rms_norm_fp8_quant", "silu_and_mul_fp8_quant")
 
 
 @dataclass

@@ -1,5 +1,17 @@
 """Fusion passes: FX rewrites of the traced forward into fused ops, applied before Inductor."""
 
-from compile.passes.fusion import FUSION_PASSES, fuse_add_rms_norm, fuse_silu_and_mul
+from compile.passes.fusion import (
+    FUSION_PASSES,
+    fuse_add_rms_norm,
+    fuse_rms_norm_fp8_quant,
+    fuse_silu_and_mul,
+    fuse_silu_and_mul_fp8_quant,
+)
 
-__all__ = ["FUSION_PASSES", "fuse_add_rms_norm", "fuse_silu_and_mul"]
+__all__ = [
+    "FUSION_PASSES",
+    "fuse_add_rms_norm",
+    "fuse_rms_norm_fp8_quant",
+    "fuse_silu_and_mul",
+    "fuse_silu_and_mul_fp8_quant",
+]

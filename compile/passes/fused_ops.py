@@ -2,8 +2,8 @@
 
 Each is an opaque custom op with a PyTorch reference body that computes exactly what the
 unfused pattern computes (same operations, same order, so results are bit-identical). Device
-kernels can be registered on these ops later (`register_kernel("cuda")`) without touching the
-passes; the FP8 quant fusions will follow the same shape.
+kernels can be registered on these ops (`register_kernel("cuda")`) without touching the passes,
+as fused_quant_ops.py does for the FP8 quant fusions built on the references here.
 """
 
 from __future__ import annotations
@@ -12,15 +12,26 @@ import torch
 import torch.nn.functional as F
 
 
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rmsnorm(x), the norm computed in float32: layers/norm.py's RMSNorm, op for op."""
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] along the last dim → silu(gate) * up: layers/activation.py's SiluAndMul."""
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
+
+
 @torch.library.custom_op("v1_engine::fused_add_rms_norm", mutates_args=())
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rmsnorm(x + residual), x + residual), the norm computed in float32."""
     summed = x + residual
-    x32 = summed.to(torch.float32)
-    variance = x32.pow(2).mean(-1, keepdim=True)
-    return weight * (x32 * torch.rsqrt(variance + eps)).to(summed.dtype), summed
+    return rms_norm_ref(summed, weight, eps), summed
 
 
 @fused_add_rms_norm.register_fake
@@ -35,8 +46,7 @@ def _fused_add_rms_norm_fake(
 @torch.library.custom_op("v1_engine::silu_and_mul", mutates_args=())
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] along the last dim → silu(gate) * up."""
-    half = x.shape[-1] // 2
-    return F.silu(x[..., :half]) * x[..., half:]
+    return silu_and_mul_ref(x)
 
 
 @silu_and_mul.register_fake

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-import compile.passes.fused_ops  # noqa: F401  (registers the fused ops)
+# Imported for their side effect: registering the fused ops the passes insert.
+import compile.passes.fused_ops
+import compile.passes.fused_quant_ops  # noqa: F401
 
 
 def _is_call(node: object, op: str, target: object) -> bool:
@@ -39,8 +41,9 @@ def _example(node: fx.Node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _match_add_rms_norm(mul_out: fx.Node) -> dict[str, object] | None:
-    """weight * (to(f32(a + b)) * rsqrt(mean(pow(., 2), -1) + eps)).to(dtype)."""
+def _match_rms_norm(mul_out: fx.Node) -> dict[str, object] | None:
+    """weight * (to(f32(x)) * rsqrt(mean(pow(., 2), -1) + eps)).to(x.dtype), layers/norm.py's
+    chain; returns its input x, weight, eps and the nodes it leaves dead once replaced."""
     if not _is_function(mul_out, operator.mul):
         return None
     weight, cast_back = mul_out.args
@@ -65,10 +68,8 @@ def _match_add_rms_norm(mul_out: fx.Node) -> dict[str, object] | None:
     power = mean.args[0]
     if not (_is_method(power, "pow") and power.args == (to_f32, 2)):
         return None
-    summed = to_f32.args[0]
-    if not _is_function(summed, operator.add) or len(summed.args) != 2:
-        return None
-    example = _example(summed)
+    source = to_f32.args[0]
+    example = _example(source) if isinstance(source, fx.Node) else None
     if example is None or cast_back.args[1:] != (example.dtype,):
         return None
     chain = (
@@ -85,7 +86,18 @@ def _match_add_rms_norm(mul_out: fx.Node) -> dict[str, object] | None:
         return None
     # Consumers first, so each node is erased after everything that reads it.
     dead = [mul_out, cast_back, normed, rsqrt, add_eps, mean, power, to_f32]
-    return {"summed": summed, "weight": weight, "eps": add_eps.args[1], "dead": dead}
+    return {"input": source, "weight": weight, "eps": add_eps.args[1], "dead": dead}
+
+
+def _match_add_rms_norm(mul_out: fx.Node) -> dict[str, object] | None:
+    """The RMSNorm chain applied to a residual sum `a + b`."""
+    match = _match_rms_norm(mul_out)
+    if match is None:
+        return None
+    summed = match["input"]
+    if not _is_function(summed, operator.add) or len(summed.args) != 2:
+        return None
+    return {**match, "summed": summed}
 
 
 def fuse_add_rms_norm(gm: fx.GraphModule) -> int:
@@ -104,6 +116,9 @@ def fuse_add_rms_norm(gm: fx.GraphModule) -> int:
             )
             normed = graph.call_function(operator.getitem, (fused, 0))
             new_summed = graph.call_function(operator.getitem, (fused, 1))
+        # Later passes (the FP8 quant fusions) read shapes and dtypes off the new nodes.
+        _copy_example(node, normed)
+        _copy_example(summed, new_summed)
         node.replace_all_uses_with(normed)
         _erase(graph, match["dead"])
         summed.replace_all_uses_with(new_summed, delete_user_cb=lambda user, f=fused: user is not f)
@@ -112,6 +127,11 @@ def fuse_add_rms_norm(gm: fx.GraphModule) -> int:
     if count:
         gm.recompile()
     return count
+
+
+def _copy_example(old: fx.Node, new: fx.Node) -> None:
+    if "example_value" in old.meta:
+        new.meta["example_value"] = old.meta["example_value"]
 
 
 def _erase(graph: fx.Graph, nodes: list[fx.Node]) -> None:
@@ -164,6 +184,7 @@ def fuse_silu_and_mul(gm: fx.GraphModule) -> int:
             continue
         with graph.inserting_before(node):
             fused = graph.call_function(torch.ops.v1_engine.silu_and_mul.default, (source,))
+        _copy_example(node, fused)
         node.replace_all_uses_with(fused)
         gate_input, up = node.args[0].args[0], node.args[1]
         _erase(graph, [node, node.args[0], gate_input, up])
@@ -173,8 +194,181 @@ def fuse_silu_and_mul(gm: fx.GraphModule) -> int:
     return count
 
 
+# ---- FP8 activation-quant fusions ------------------------------------------------------------
+#
+# An FP8 linear layer (layers/quantization/fp8.py) quantizes its input with
+# `per_token_fp8_quant(x.reshape(-1, K))` (or `per_token_group_fp8_quant(..., 128)` for block
+# checkpoints). When that input is an RMSNorm or SiLU-and-mul output read by nothing else, the
+# two become one fused op (passes/fused_quant_ops.py) and the high-precision activation is never
+# written. Each FP8 pass first runs its base pass (fuse_add_rms_norm / fuse_silu_and_mul: the
+# second run of a pass finds nothing, so the order of the configured names does not matter) and
+# then matches the base pass's fused op, plus the plain RMSNorm chain (the first layer's input
+# norm, which has no residual), feeding the quant.
+
+_QUANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _is_op(node: object, packet: torch._ops.OpOverloadPacket) -> bool:
+    """A call of the custom op `packet` (Dynamo records the packet, our passes the overload)."""
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and (node.target is packet or node.target is packet.default)
+    )
+
+
+def _quant_group_size(quant: fx.Node) -> tuple[bool, int | None]:
+    """(is an activation quant node, its group size: None = per token)."""
+    if _is_op(quant, torch.ops.v1_engine.per_token_fp8_quant) and len(quant.args) == 1:
+        return True, None
+    if _is_op(quant, torch.ops.v1_engine.per_token_group_fp8_quant) and len(quant.args) == 2:
+        group_size = quant.args[1]
+        return isinstance(group_size, int), group_size
+    return False, None
+
+
+def _outputs_by_index(node: fx.Node) -> dict[int, list[fx.Node]] | None:
+    """The getitem users of a tuple-returning node by index; None if anything else reads it."""
+    outputs: dict[int, list[fx.Node]] = {}
+    for user in node.users:
+        if not (_is_function(user, operator.getitem) and isinstance(user.args[1], int)):
+            return None
+        outputs.setdefault(user.args[1], []).append(user)
+    return outputs
+
+
+def _match_quant(quant: fx.Node) -> dict[str, object] | None:
+    """A per-token(-group) quant whose input, seen through the layers' `reshape(-1, K)`, is read
+    by nothing else: returns that input ("source"), the flatten node (or None), group size."""
+    is_quant, group_size = _quant_group_size(quant)
+    if not is_quant or _outputs_by_index(quant) is None:
+        return None
+    source, flatten = quant.args[0], None
+    if not isinstance(source, fx.Node):
+        return None
+    if _is_method(source, "reshape") or _is_method(source, "view"):
+        inner = source.args[0]
+        example = _example(inner) if isinstance(inner, fx.Node) else None
+        if example is None or example.dim() < 1 or source.kwargs:
+            return None
+        if source.args[1:] != (-1, example.shape[-1]) or not _only_used_by(source, quant):
+            return None
+        source, flatten = inner, source
+    example = _example(source)
+    if example is None or example.dtype not in _QUANT_DTYPES:
+        return None
+    if not _only_used_by(source, quant if flatten is None else flatten):
+        return None
+    return {"source": source, "flatten": flatten, "group_size": group_size}
+
+
+def _fused_quant_op(name: str, group_size: int | None) -> torch._ops.OpOverload:
+    kind = "per_token" if group_size is None else "per_token_group"
+    return getattr(torch.ops.v1_engine, f"{name}_{kind}_fp8_quant").default
+
+
+def _replace_quant(
+    graph: fx.Graph, match: dict[str, object], anchor: fx.Node, op_name: str, args: tuple
+) -> fx.Node:
+    """Insert the fused op before `anchor` (after its inputs, before every reader of what it
+    replaces) and route the quant's (q, scales) readers to its outputs."""
+    quant, flatten, group_size = match["quant"], match["flatten"], match["group_size"]
+    if group_size is not None:
+        args = (*args, group_size)
+    with graph.inserting_before(anchor):
+        fused = graph.call_function(_fused_quant_op(op_name, group_size), args)
+        q = graph.call_function(operator.getitem, (fused, 0))
+        scales = graph.call_function(operator.getitem, (fused, 1))
+        if flatten is not None:
+            width = _example(match["source"]).shape[-1]
+            num_scales = 1 if group_size is None else -(-width // group_size)
+            q = graph.call_method("reshape", (q, -1, width))
+            scales = graph.call_method("reshape", (scales, -1, num_scales))
+    for index, users in _outputs_by_index(quant).items():
+        for user in users:
+            user.replace_all_uses_with((q, scales)[index])
+    _erase(graph, [*quant.users, quant] + ([flatten] if flatten is not None else []))
+    return fused
+
+
+def _fuse_residual_norm_quant(graph: fx.Graph, match: dict[str, object]) -> bool:
+    """getitem(fused_add_rms_norm(x, residual, w, eps), 0) -> quant."""
+    normed = match["source"]
+    if not _is_function(normed, operator.getitem) or normed.args[1] != 0:
+        return False
+    norm = normed.args[0]
+    if not _is_op(norm, torch.ops.v1_engine.fused_add_rms_norm):
+        return False
+    outputs = _outputs_by_index(norm)
+    if outputs is None or outputs.get(0) != [normed]:
+        return False
+    x, residual, weight, eps = norm.args
+    dtypes = {getattr(_example(node), "dtype", None) for node in (x, residual)}
+    if len(dtypes) != 1 or None in dtypes:  # the kernel reads both in one dtype
+        return False
+    fused = _replace_quant(graph, match, norm, "add_rms_norm", (x, residual, weight, eps))
+    with graph.inserting_after(fused):
+        new_residual = graph.call_function(operator.getitem, (fused, 2))
+    for old_residual in outputs.get(1, []):
+        _copy_example(old_residual, new_residual)
+        old_residual.replace_all_uses_with(new_residual)
+    _erase(graph, [*outputs.get(1, []), normed, norm])
+    return True
+
+
+def _fuse_plain_norm_quant(graph: fx.Graph, match: dict[str, object]) -> bool:
+    """The raw RMSNorm chain (no residual) -> quant."""
+    norm = _match_rms_norm(match["source"])
+    if norm is None:
+        return False
+    args = (norm["input"], norm["weight"], norm["eps"])
+    _replace_quant(graph, match, match["source"], "rms_norm", args)
+    _erase(graph, norm["dead"])
+    return True
+
+
+def fuse_rms_norm_fp8_quant(gm: fx.GraphModule) -> int:
+    """RMSNorm (with or without the residual add) followed by the FP8 activation quant ->
+    `v1_engine::[add_]rms_norm_per_token[_group]_fp8_quant`; runs fuse_add_rms_norm first.
+    Returns the number of quant fusions."""
+    fuse_add_rms_norm(gm)
+    graph, count = gm.graph, 0
+    for node in list(graph.nodes):
+        match = _match_quant(node)
+        if match is None:
+            continue
+        match["quant"] = node
+        if _fuse_residual_norm_quant(graph, match) or _fuse_plain_norm_quant(graph, match):
+            count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def fuse_silu_and_mul_fp8_quant(gm: fx.GraphModule) -> int:
+    """SiLU-and-mul followed by the FP8 activation quant ->
+    `v1_engine::silu_and_mul_per_token[_group]_fp8_quant`; runs fuse_silu_and_mul first.
+    Returns the number of quant fusions."""
+    fuse_silu_and_mul(gm)
+    graph, count = gm.graph, 0
+    for node in list(graph.nodes):
+        match = _match_quant(node)
+        if match is None or not _is_op(match["source"], torch.ops.v1_engine.silu_and_mul):
+            continue
+        match["quant"] = node
+        activation = match["source"]
+        _replace_quant(graph, match, activation, "silu_and_mul", activation.args)
+        _erase(graph, [activation])
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
 FUSION_PASSES: dict[str, Callable[[fx.GraphModule], int]] = {
     "add_rms_norm": fuse_add_rms_norm,
     "silu_and_mul": fuse_silu_and_mul,
+    "rms_norm_fp8_quant": fuse_rms_norm_fp8_quant,
+    "silu_and_mul_fp8_quant": fuse_silu_and_mul_fp8_quant,
 }
 """Fusion passes by the name `CompilationConfig.fusion_passes` uses."""

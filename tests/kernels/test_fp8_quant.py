@@ -174,6 +174,22 @@ def test_cuda_ops_match_refs_gpu() -> None:
     assert torch.equal(as_bytes(q), as_bytes(fp8.scaled_fp8_quant_ref(x, scale)[0]))
 
 
+@pytest.mark.gpu
+def test_references_divide_exactly_on_gpu() -> None:
+    """On CUDA torch divides by a Python number as a multiplication by its reciprocal (one ulp off
+    for some amax); the references divide by a device tensor instead, so they give the CPU's
+    IEEE quotients, the values the kernels' div_rn computes."""
+    x = random_activations((65, 7168), torch.bfloat16, seed=10)
+    for ref in (
+        fp8.per_token_fp8_quant_ref,
+        fp8.scaled_fp8_quant_ref,
+        fp8.per_token_group_fp8_quant_ref,
+    ):
+        (q_gpu, s_gpu), (q_cpu, s_cpu) = ref(x.cuda()), ref(x)
+        assert torch.equal(s_gpu.cpu(), s_cpu)
+        assert torch.equal(as_bytes(q_gpu).cpu(), as_bytes(q_cpu))
+
+
 # ----- public API on CPU: ops, fake impls, validation ------------------------------------------
 
 

@@ -24,6 +24,7 @@ pytest.importorskip("triton")
 if not _CUDA and "v1_engine.kernels.triton_moe" in sys.modules:
     importlib.reload(sys.modules["v1_engine.kernels.triton_moe"])
 
+from v1_engine.kernels import triton_moe
 from v1_engine.kernels.fp8 import per_token_group_fp8_quant_ref
 from v1_engine.kernels.triton_moe import (
     FP8_DTYPE,
@@ -225,6 +226,23 @@ def test_gpu_fused_moe_block_fp8_v3_shapes(num_tokens):
     got = fused_moe_triton(x, q13, q2, weights, ids, s13, s2)
     want = fp8_reference(x, q13, s13, q2, s2, weights, ids)
     assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_moe_block_fp8_v3_shapes_fp32_dots(monkeypatch):
+    """The V3 case of the test above with the e4m3 tiles upcast to float32 before tl.dot (the
+    interpreter's path): same indexing and scaling, no FP8 tensor-core dot. When the FP8 case
+    fails and this one passes, the fault is in the FP8 dot, not in the scale or row indexing."""
+    monkeypatch.setattr(triton_moe, "_interpreting", lambda: True)
+    torch.manual_seed(1)
+    num_experts, top_k, hidden, inter = 16, 8, 7168, 2048
+    weights, ids = random_routing(1, num_experts, top_k, seed=1)
+    x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    q13, s13 = quantize_block_fp8(torch.randn(num_experts, 2 * inter, hidden, device="cuda") * 0.02)
+    q2, s2 = quantize_block_fp8(torch.randn(num_experts, hidden, inter, device="cuda") * 0.02)
+    got = fused_moe_triton(x, q13, q2, weights, ids, s13, s2)
+    want = fp8_reference(x, q13, s13, q2, s2, weights, ids)
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
 
 

@@ -17,7 +17,7 @@ import torch
 
 LIBRARY_FILENAME = "libv1engine_kernels.so"
 LIBRARY_ENV_VAR = "V1ENGINE_KERNELS_LIB"
-ABI_VERSION = 2
+ABI_VERSION = 3
 """Must equal V1E_ABI_VERSION in csrc/v1engine_kernels.h."""
 
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -88,6 +88,8 @@ def _declare_fp8_gemm_signatures(lib: ctypes.CDLL) -> None:
     lib.v1e_has_fp8_gemm.restype = ctypes.c_int
     lib.v1e_scaled_mm_num_configs.argtypes = []
     lib.v1e_scaled_mm_num_configs.restype = ctypes.c_int
+    lib.v1e_fp8_gemm_error.argtypes = []
+    lib.v1e_fp8_gemm_error.restype = ctypes.c_char_p
     lib.v1e_scaled_mm.argtypes = [
         _ptr,  # out [M, N]
         _ptr,  # a [M, K] e4m3
@@ -118,7 +120,7 @@ def _declare_fp8_gemm_signatures(lib: ctypes.CDLL) -> None:
         _i64,  # k
         _i64,  # lda (elements)
         _i64,  # ldb (elements)
-        _i64,  # ld_scale_a (elements, multiple of 4)
+        _i64,  # ld_scale_a (elements, multiple of 4, >= M rounded up to 4)
         ctypes.c_int,  # out dtype code
         _ptr,  # cudaStream_t
     ]

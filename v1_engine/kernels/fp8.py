@@ -58,12 +58,18 @@ NUM_SCALED_MM_CONFIGS = 8
 
 
 def _quantize_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x / scale, saturated to the e4m3 range, rounded to nearest even."""
+    """x / scale (IEEE division: scale is a tensor on x's device), saturated to the e4m3 range,
+    rounded to nearest even."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    return (amax.float() / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    """max(amax / 448, FP8_MIN_SCALE) with an IEEE (correctly rounded) fp32 division, as the
+    Triton kernels compute it (`div_rn`). The divisor is a tensor on amax's device on purpose:
+    CUDA torch turns division by a Python number into multiplication by its rounded reciprocal,
+    which is off by one ulp for some amax, and the reference must be exact on every device."""
+    amax = amax.float()
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=FP8_MIN_SCALE)
 
 
 def scaled_fp8_quant_ref(
@@ -535,7 +541,7 @@ def scaled_mm_cutlass(
             config,
             torch.cuda.current_stream().cuda_stream,
         )
-    _C.check_status(lib, code, "v1e_scaled_mm")
+    _check_gemm_status(lib, code, "v1e_scaled_mm")
     return out
 
 
@@ -570,13 +576,24 @@ def block_scaled_mm_cutlass(
             _C.DTYPE_CODES[out_dtype],
             torch.cuda.current_stream().cuda_stream,
         )
-    _C.check_status(lib, code, "v1e_block_scaled_mm")
+    _check_gemm_status(lib, code, "v1e_block_scaled_mm")
     return out
+
+
+def _check_gemm_status(lib: ctypes.CDLL, code: int, entry_point: str) -> None:
+    """Raises RuntimeError with the CUDA code's text and the library's account of which check
+    refused the call (an argument check or a CUTLASS can_implement stage), when it failed."""
+    if code != 0:
+        status = lib.v1e_error_string(code).decode(errors="replace")
+        reason = lib.v1e_fp8_gemm_error().decode(errors="replace") or "no reason recorded"
+        raise RuntimeError(f"{entry_point} failed with CUDA error {code} ({status}): {reason}")
 
 
 def _m_major_scales(scale_a: torch.Tensor) -> torch.Tensor:
     """scale_a [M, KB] copied to [KB, M padded to 4] (M contiguous): the kernel loads a tile's
-    activation scales with TMA, which needs M-major rows 16-byte aligned."""
+    activation scales with TMA, which needs the M extent and the row stride to be multiples of
+    16 bytes. The padding rows stay uninitialized: they only scale output rows past M, which the
+    kernel never stores."""
     m, k_blocks = scale_a.shape
     padded_m = -(-m // 4) * 4
     out = scale_a.new_empty((k_blocks, padded_m))

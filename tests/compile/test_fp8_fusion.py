@@ -1,0 +1,382 @@
+"""FP8 activation-quant fusions: the passes fold the per-token (and per-group) quant of an FP8
+linear's input into the RMSNorm / SiLU-and-mul before it, and the fused kernels compute what the
+unfused chain computes.
+
+On the CPU the fused ops run the unfused chain itself, so a fused forward is bit-identical to the
+unfused one. The Triton kernels run under the interpreter on tiny shapes: bit-identical for
+bf16/fp16 inputs; for fp32 inputs the norm's sum of squares is reduced in another order, which
+may move a row's scale by an ulp (bounded below). The `gpu` cases compare the compiled kernels with
+the unfused ops on model shapes within the same bound.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+from compile.compiled_forward import CompiledForward
+from compile.passes import (
+    FUSION_PASSES,
+    fuse_rms_norm_fp8_quant,
+    fuse_silu_and_mul_fp8_quant,
+)
+from compile.passes import fused_quant_ops as ops
+from v1_engine.attention.selector import get_attn_backend
+from v1_engine.config import CompilationConfig
+from v1_engine.forward_context import set_forward_context
+from v1_engine.kernels import fp8
+from v1_engine.layers.activation import SiluAndMul
+from v1_engine.layers.norm import RMSNorm
+from v1_engine.models.loader import get_model, load_hf_config
+
+_CUDA = torch.cuda.is_available()
+if not _CUDA:
+    # Must be set before triton is imported and the kernels are decorated.
+    os.environ["TRITON_INTERPRET"] = "1"
+    for _name in ("v1_engine.kernels.triton_quant", "v1_engine.kernels.triton_fused_quant"):
+        if _name in sys.modules:
+            importlib.reload(sys.modules[_name])
+
+E4M3_STEP = 2.0**-3
+"""Spacing of e4m3 values relative to their magnitude, at most (3 mantissa bits)."""
+E4M3_SUBNORMAL_STEP = 2.0**-9
+
+
+def as_bytes(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    if group_size is None:
+        return q.float() * scales
+    return q.float() * scales.repeat_interleave(group_size, -1)[..., : q.shape[-1]]
+
+
+def assert_quant_close(
+    q, scales, q_ref, scales_ref, group_size, value_dtype: torch.dtype, min_exact: float
+):
+    """The bound of kernels/triton_fused_quant.py: a normed value one ulp of its dtype off moves
+    a scale by at most that (2 ulps allowed for the reduction's fp32 error) and a quantized value
+    by at most one e4m3 step; and at least `min_exact` of the bytes are identical."""
+    ulp = torch.finfo(value_dtype).eps
+    torch.testing.assert_close(scales, scales_ref, rtol=2 * ulp, atol=0)
+    deq_ref = dequantize(q_ref, scales_ref, group_size)
+    element_scales = dequantize(torch.ones_like(q_ref), scales_ref, group_size)
+    bound = deq_ref.abs() * (E4M3_STEP + 4 * ulp) + element_scales * E4M3_SUBNORMAL_STEP
+    assert bool(((dequantize(q, scales, group_size) - deq_ref).abs() <= bound).all())
+    exact = (as_bytes(q) == as_bytes(q_ref)).float().mean().item()
+    assert exact >= min_exact, exact
+
+
+def activations(shape: tuple[int, ...], dtype: torch.dtype, seed: int, device="cpu"):
+    """Normal values with a few outlier columns, like real activations."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    x[..., :: max(1, shape[-1] // 4)] *= 20.0
+    return x.to(dtype).to(device)
+
+
+def norm_weight(size: int, dtype: torch.dtype, seed: int, device="cpu") -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (1.0 + 0.2 * torch.randn(size, generator=gen)).to(dtype).to(device)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# ---- the passes on the traced FP8 Llama forward ---------------------------------------------
+
+
+def _count_ops(gm: torch.fx.GraphModule) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "v1_engine" in str(node.target):
+            name = str(node.target).split(".")[1]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["add_rms_norm", "silu_and_mul", "rms_norm_fp8_quant", "silu_and_mul_fp8_quant"],
+        ["rms_norm_fp8_quant", "silu_and_mul_fp8_quant"],  # the base passes are implied
+    ],
+)
+def test_fp8_passes_on_tiny_llama_forward(tiny_llama_dir, names):
+    """Per layer, both norms feed an FP8 linear (qkv, gate_up) and the SiLU-and-mul feeds
+    down_proj: 2 norm and 1 SiLU fusions per layer. The final norm feeds the unquantized lm_head
+    and stays a plain fused norm; o_proj's quant (after attention) stays alone. Logits are
+    bit-identical to the unfused compiled forward for every batch size."""
+    config = load_hf_config(str(tiny_llama_dir))
+    CompilationConfig(fusion_passes=names).verify()
+    cpu = torch.device("cpu")
+    model = get_model(
+        config,
+        str(tiny_llama_dir),
+        dtype=torch.float32,
+        device=cpu,
+        load_format="auto",
+        seed=0,
+        quantization="fp8",
+    )
+    base = [(name, FUSION_PASSES[name]) for name in ("add_rms_norm", "silu_and_mul")]
+    graphs: list[torch.fx.GraphModule] = []
+    passes = [(name, FUSION_PASSES[name]) for name in names] + [("record", graphs.append)]
+    layers = config.num_hidden_layers
+    batches = [torch.randint(0, config.vocab_size, (n,)) for n in (4, 1, 9)]
+    with (
+        torch.inference_mode(),
+        set_forward_context(None, get_attn_backend(cpu), model.attention_layers()),
+    ):
+        unfused = CompiledForward(model, passes=base, use_inductor=False)
+        expected = [unfused(ids, torch.arange(len(ids))) for ids in batches]
+        torch._dynamo.reset()  # Dynamo's cache is per code object: the next trace starts clean
+        fused = CompiledForward(model, passes=passes, use_inductor=False)
+        for ids, want in zip(batches, expected, strict=True):
+            assert torch.equal(fused(ids, torch.arange(len(ids))), want)
+            assert torch.equal(want, model(ids, torch.arange(len(ids))))
+    matches = fused.stats.pass_matches
+    assert matches["rms_norm_fp8_quant"] == 2 * layers
+    assert matches["silu_and_mul_fp8_quant"] == layers
+    assert fused.stats.num_traces == 1
+    counts = _count_ops(graphs[0])
+    assert counts["rms_norm_per_token_fp8_quant"] == 1  # layer 0's input norm: no residual
+    assert counts["add_rms_norm_per_token_fp8_quant"] == 2 * layers - 1
+    assert counts["silu_and_mul_per_token_fp8_quant"] == layers
+    assert counts["per_token_fp8_quant"] == layers  # o_proj
+    assert counts["fused_add_rms_norm"] == 1  # the final norm
+    assert "silu_and_mul" not in counts
+
+
+@pytest.mark.slow
+def test_fp8_passes_under_inductor_keep_the_tiny_llama_forward(tiny_llama_dir):
+    """The fused ops' fake impls let Inductor compile the pieces around them; on the CPU the
+    result still equals the eager model exactly."""
+    config = load_hf_config(str(tiny_llama_dir))
+    cpu = torch.device("cpu")
+    model = get_model(
+        config,
+        str(tiny_llama_dir),
+        dtype=torch.float32,
+        device=cpu,
+        load_format="auto",
+        seed=0,
+        quantization="fp8",
+    )
+    names = ("rms_norm_fp8_quant", "silu_and_mul_fp8_quant")
+    forward = CompiledForward(model, passes=[(n, FUSION_PASSES[n]) for n in names])
+    with (
+        torch.inference_mode(),
+        set_forward_context(None, get_attn_backend(cpu), model.attention_layers()),
+    ):
+        for num_tokens in (5, 1):
+            ids = torch.randint(0, config.vocab_size, (num_tokens,))
+            positions = torch.arange(num_tokens)
+            assert torch.equal(forward(ids, positions), model(ids, positions))
+    layers = config.num_hidden_layers
+    assert forward.stats.pass_matches == {
+        "rms_norm_fp8_quant": 2 * layers,
+        "silu_and_mul_fp8_quant": layers,
+    }
+
+
+# ---- the passes on small modules: block quant, escapes ------------------------------------------
+
+
+class _BlockFp8Sublayers(torch.nn.Module):
+    """A plain norm, a residual norm and a SiLU-and-mul, each feeding the group quant of a
+    block-scaled FP8 linear the way Fp8BlockLinearMethod calls it."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.norm = RMSNorm(hidden, eps=1e-5).to(dtype)
+        self.post_norm = RMSNorm(hidden, eps=1e-5).to(dtype)
+        self.act = SiluAndMul()
+        torch.nn.init.normal_(self.norm.weight, 1.0, 0.2)
+        torch.nn.init.normal_(self.post_norm.weight, 1.0, 0.2)
+
+    @staticmethod
+    def quantized(x: torch.Tensor) -> torch.Tensor:
+        q, scales = fp8.per_token_group_fp8_quant(x.reshape(-1, x.shape[-1]), 128)
+        return q.float() * scales.repeat_interleave(128, -1)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor):
+        a = self.quantized(self.norm(x))
+        normed, summed = self.post_norm(a.to(x.dtype), residual)
+        b = self.quantized(normed)
+        c = self.quantized(self.act(torch.cat([x, summed], dim=-1)))
+        return a, b, c, summed
+
+
+def _compile_with_passes(module, *graph_passes):
+    counts: list[tuple[int, ...]] = []
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm, example_inputs):
+        counts.append(tuple(graph_pass(gm) for graph_pass in graph_passes))
+        graphs.append(gm)
+        return gm
+
+    return torch.compile(module, backend=backend, fullgraph=True), counts, graphs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_quant_fusions_keep_results(dtype):
+    torch.manual_seed(0)
+    module = _BlockFp8Sublayers(256, dtype)
+    x, residual = activations((5, 256), dtype, 1), activations((5, 256), dtype, 2)
+    compiled, counts, graphs = _compile_with_passes(
+        module, fuse_rms_norm_fp8_quant, fuse_silu_and_mul_fp8_quant
+    )
+    for got, want in zip(compiled(x, residual), module(x, residual), strict=True):
+        assert torch.equal(got, want)
+    assert counts == [(2, 1)]
+    found = _count_ops(graphs[0])
+    assert found["rms_norm_per_token_group_fp8_quant"] == 1
+    assert found["add_rms_norm_per_token_group_fp8_quant"] == 1
+    assert found["silu_and_mul_per_token_group_fp8_quant"] == 1
+    assert "per_token_group_fp8_quant" not in found
+
+
+class _NormEscapes(torch.nn.Module):
+    """The norm output is quantized and also returned: the fusion would lose it."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(hidden)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor):
+        normed, summed = self.norm(x, residual)
+        q, scales = fp8.per_token_fp8_quant(normed)
+        activated = self.act(summed)
+        q2, scales2 = fp8.per_token_fp8_quant(activated)
+        return q.float() * scales, normed, q2.float() * scales2, activated
+
+
+def test_passes_skip_when_the_unquantized_output_escapes():
+    module = _NormEscapes(32)
+    torch.nn.init.ones_(module.norm.weight)
+    x, residual = torch.randn(3, 32), torch.randn(3, 32)
+    compiled, counts, _ = _compile_with_passes(
+        module, fuse_rms_norm_fp8_quant, fuse_silu_and_mul_fp8_quant
+    )
+    for got, want in zip(compiled(x, residual), module(x, residual), strict=True):
+        assert torch.equal(got, want)
+    assert counts == [(0, 0)]
+
+
+def test_fused_ops_pass_opcheck():
+    x, residual = activations((4, 256), torch.bfloat16, 3), activations((4, 256), torch.bfloat16, 4)
+    w = norm_weight(256, torch.bfloat16, 5)
+    v = torch.ops.v1_engine
+    for op, args in (
+        (v.rms_norm_per_token_fp8_quant, (x, w, 1e-6)),
+        (v.add_rms_norm_per_token_fp8_quant, (x, residual, w, 1e-6)),
+        (v.silu_and_mul_per_token_fp8_quant, (x,)),
+        (v.rms_norm_per_token_group_fp8_quant, (x, w, 1e-6, 128)),
+        (v.add_rms_norm_per_token_group_fp8_quant, (x, residual, w, 1e-6, 128)),
+        (v.silu_and_mul_per_token_group_fp8_quant, (x, 64)),
+    ):
+        torch.library.opcheck(op.default, args)
+
+
+# ---- the Triton kernels against the references ------------------------------------------------
+
+triton_fused_quant = pytest.importorskip("v1_engine.kernels.triton_fused_quant")
+interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
+
+
+def check_norm_kernels(x, residual, weight, group_size, min_exact: float, exact_scales: bool):
+    value_dtype = torch.promote_types(weight.dtype, x.dtype)
+    q, s, summed = triton_fused_quant.rms_norm_quant(x, residual, weight, 1e-6, group_size)
+    q_ref, s_ref, summed_ref = ops.add_rms_norm_quant_ref(x, residual, weight, 1e-6, group_size)
+    assert torch.equal(summed, summed_ref)
+    assert_quant_close(q, s, q_ref, s_ref, group_size, value_dtype, min_exact)
+    if exact_scales:
+        assert torch.equal(s, s_ref) and torch.equal(as_bytes(q), as_bytes(q_ref))
+    q, s, none = triton_fused_quant.rms_norm_quant(x, None, weight, 1e-6, group_size)
+    q_ref, s_ref = ops.rms_norm_quant_ref(x, weight, 1e-6, group_size)
+    assert none is None
+    assert_quant_close(q, s, q_ref, s_ref, group_size, value_dtype, min_exact)
+    if exact_scales:
+        assert torch.equal(s, s_ref) and torch.equal(as_bytes(q), as_bytes(q_ref))
+
+
+def check_silu_kernel(x, group_size, min_exact: float, exact_scales: bool):
+    q, s = triton_fused_quant.silu_and_mul_quant(x, group_size)
+    q_ref, s_ref = ops.silu_and_mul_quant_ref(x, group_size)
+    assert q.shape == q_ref.shape and s.shape == s_ref.shape
+    assert_quant_close(q, s, q_ref, s_ref, group_size, x.dtype, min_exact)
+    if exact_scales:
+        assert torch.equal(s, s_ref) and torch.equal(as_bytes(q), as_bytes(q_ref))
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    ("shape", "group_size"), [((3, 64), None), ((2, 300), 128), ((1, 16), None), ((2, 3, 48), 16)]
+)
+def test_triton_kernels_match_refs_interpreted(shape, group_size, dtype):
+    x, residual = activations(shape, dtype, 6), activations(shape, dtype, 7)
+    weight = norm_weight(shape[-1], dtype, 8)
+    exact = dtype != torch.float32
+    check_norm_kernels(x, residual, weight, group_size, min_exact=1.0, exact_scales=exact)
+    gate_up = activations((*shape[:-1], 2 * shape[-1]), dtype, 9) * 0.3
+    check_silu_kernel(gate_up, group_size, min_exact=1.0, exact_scales=exact)
+
+
+@interpreter_only
+def test_triton_kernels_read_strided_rows_and_fp32_weights_interpreted():
+    wide = activations((4, 96), torch.bfloat16, 10)
+    x, residual = wide[:, 16:80], wide[:, 8:72]  # slices: row stride 96
+    weight = norm_weight(64, torch.float32, 11)  # promotes the norm output to fp32
+    check_norm_kernels(x, residual, weight, 32, min_exact=0.99, exact_scales=False)
+    check_silu_kernel(wide[:, :64], None, min_exact=1.0, exact_scales=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 512])
+@pytest.mark.parametrize("group_size", [None, 128])
+def test_fused_ops_match_unfused_ops_gpu(num_tokens, group_size):
+    """The fused CUDA ops against the unfused CUDA ops (eager norm / SiLU, then the Triton quant)
+    on the Llama-3-8B hidden size in bf16."""
+    hidden, dtype, cuda = 4096, torch.bfloat16, torch.device("cuda")
+    x = activations((num_tokens, hidden), dtype, 12, cuda)
+    residual = activations((num_tokens, hidden), dtype, 13, cuda)
+    weight = norm_weight(hidden, dtype, 14, cuda)
+    gate_up = activations((num_tokens, 2 * hidden), dtype, 15, cuda) * 0.3
+
+    def quantize(y):
+        if group_size is None:
+            return fp8.per_token_fp8_quant(y)
+        return fp8.per_token_group_fp8_quant(y, group_size)
+
+    v = torch.ops.v1_engine
+    norm_layer = RMSNorm(hidden, eps=1e-6).to(cuda, dtype)
+    norm_layer.weight.data.copy_(weight)
+    if group_size is None:
+        fused = v.add_rms_norm_per_token_fp8_quant(x, residual, weight, 1e-6)
+        plain = v.rms_norm_per_token_fp8_quant(x, weight, 1e-6)
+        silu = v.silu_and_mul_per_token_fp8_quant(gate_up)
+    else:
+        fused = v.add_rms_norm_per_token_group_fp8_quant(x, residual, weight, 1e-6, group_size)
+        plain = v.rms_norm_per_token_group_fp8_quant(x, weight, 1e-6, group_size)
+        silu = v.silu_and_mul_per_token_group_fp8_quant(gate_up, group_size)
+    normed, summed = norm_layer(x, residual)
+    assert torch.equal(fused[2], summed)
+    for got, unfused_input in (
+        (fused[:2], normed),
+        (plain, norm_layer(x)),
+        (silu, SiluAndMul()(gate_up)),
+    ):
+        assert_quant_close(*got, *quantize(unfused_input), group_size, dtype, min_exact=0.99)

@@ -1,0 +1,291 @@
+"""RMSNorm (with or without the residual add) and SiLU-and-mul fused with the dynamic FP8
+quantization of their output, in Triton: the CUDA bodies of compile/passes/fused_quant_ops.py.
+
+Unfused, a norm writes its bf16 output, the quant kernel reads it back twice (amax, then
+quantize) and writes e4m3; fused, the activation is recomputed from the input inside one program
+and never reaches memory. Each kernel repeats the unfused ops' roundings in the same order:
+
+- the residual sum and the norm's `.to(dtype)` round to the input dtype, `weight * normed` to
+  the promoted norm dtype, SiLU to the input dtype and its product with `up` again, before the
+  quant sees the value (so a bf16 model quantizes exactly the bf16 values the unfused chain would);
+- the quant divides with `div_rn` and rounds to e4m3 like triton_quant.py, bit for bit.
+
+Where they cannot agree bit for bit: the norm's sum of squares is reduced in a different order
+and `rsqrt`/`exp` are the hardware approximations (a few fp32 ulps, like the compiled unfused
+graph's), so a normed value that lands within those ulps of a rounding boundary of its dtype can
+round the other way: one ulp of the norm dtype, and then at most one e4m3 step for that element
+(and a one-ulp change of its row's scale when it is the row's max). The tests bound exactly this.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from v1_engine.kernels.triton_quant import _round_to_e4m3
+
+MAX_BLOCK = 4096
+"""Widest chunk of a row one loop iteration loads (registers stay bounded for long rows)."""
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _quantize_to_fp8(y, scale, FP8_MAX_: tl.constexpr):
+    return _round_to_e4m3(tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX_, FP8_MAX_))
+
+
+@triton.jit
+def _round_to(v, DTYPE: tl.constexpr):
+    """fp32 v rounded to DTYPE (nearest even), returned in fp32. bf16 is rounded on the bits:
+    the Triton interpreter's fp32 -> bf16 cast truncates, the GPU's rounds; this agrees with
+    both (the final cast of an already representable value is exact)."""
+    if DTYPE == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        rounded = bits.to(tl.float32, bitcast=True)
+    else:
+        rounded = v.to(DTYPE).to(tl.float32)
+    return rounded
+
+
+@triton.jit
+def _residual_sum(
+    x_row, residual_row, cols, mask, HAS_RESIDUAL: tl.constexpr, IN_DTYPE: tl.constexpr
+):
+    """x (+ residual), rounded to x's dtype like the unfused add, returned in fp32."""
+    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_row + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _round_to(x + r, IN_DTYPE)
+    return x
+
+
+@triton.jit
+def _normed(
+    x_row,
+    residual_row,
+    w_ptr,
+    cols,
+    mask,
+    rstd,
+    HAS_RESIDUAL: tl.constexpr,
+    IN_DTYPE: tl.constexpr,
+    NORM_DTYPE: tl.constexpr,
+):
+    """weight * (x32 * rstd).to(x dtype), rounded to the norm's output dtype, in fp32."""
+    s = _residual_sum(x_row, residual_row, cols, mask, HAS_RESIDUAL, IN_DTYPE)
+    normed = _round_to(s * rstd, IN_DTYPE)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return _round_to(w * normed, NORM_DTYPE)
+
+
+@triton.jit
+def _rms_norm_quant_kernel(
+    x_ptr,
+    residual_ptr,
+    w_ptr,
+    q_ptr,
+    scale_ptr,
+    residual_out_ptr,
+    row_len,
+    row_len_f,
+    group_len,
+    groups_per_row,
+    x_row_stride,
+    residual_row_stride,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    IN_DTYPE: tl.constexpr,
+    NORM_DTYPE: tl.constexpr,
+    FP8_MAX_: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per row: the sum of squares (storing x + residual on the way), then per group
+    the amax of the normed values and their quantization. One group per row = per token."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    residual_row = residual_ptr + row * residual_row_stride
+    offsets = tl.arange(0, BLOCK)
+
+    squares = tl.zeros([BLOCK], dtype=tl.float32)
+    for chunk in range(0, row_len, BLOCK):
+        cols = chunk + offsets
+        mask = cols < row_len
+        s = _residual_sum(x_row, residual_row, cols, mask, HAS_RESIDUAL, IN_DTYPE)
+        if HAS_RESIDUAL:
+            out = residual_out_ptr + row * row_len + cols
+            tl.store(out, s.to(residual_out_ptr.dtype.element_ty), mask=mask)
+        squares += s * s
+    variance = tl.math.div_rn(tl.sum(squares, axis=0), row_len_f)
+    rstd = tl.math.rsqrt(variance + eps)
+
+    for group in range(groups_per_row):
+        start = group * group_len
+        end = tl.minimum(start + group_len, row_len)
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for chunk in range(start, end, BLOCK):
+            cols = chunk + offsets
+            mask = cols < end
+            y = _normed(
+                x_row, residual_row, w_ptr, cols, mask, rstd, HAS_RESIDUAL, IN_DTYPE, NORM_DTYPE
+            )
+            amax = tl.maximum(amax, tl.abs(y))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_), MIN_SCALE)
+        tl.store(scale_ptr + row * groups_per_row + group, scale)
+        for chunk in range(start, end, BLOCK):
+            cols = chunk + offsets
+            mask = cols < end
+            y = _normed(
+                x_row, residual_row, w_ptr, cols, mask, rstd, HAS_RESIDUAL, IN_DTYPE, NORM_DTYPE
+            )
+            q = _quantize_to_fp8(y, scale, FP8_MAX_)
+            tl.store(q_ptr + row * row_len + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul(x_row, cols, mask, half_len, IN_DTYPE: tl.constexpr):
+    """silu(gate) * up with both roundings to x's dtype the unfused ops make, in fp32."""
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + half_len + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = _round_to(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), IN_DTYPE)
+    return _round_to(silu * up, IN_DTYPE)
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    half_len,
+    group_len,
+    groups_per_row,
+    x_row_stride,
+    IN_DTYPE: tl.constexpr,
+    FP8_MAX_: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program per (row, group) of the output: amax of silu(gate) * up, then quantize."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    start = group * group_len
+    end = tl.minimum(start + group_len, half_len)
+    x_row = x_ptr + row * x_row_stride
+    offsets = tl.arange(0, BLOCK)
+
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for chunk in range(start, end, BLOCK):
+        cols = chunk + offsets
+        amax = tl.maximum(amax, tl.abs(_silu_and_mul(x_row, cols, cols < end, half_len, IN_DTYPE)))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_), MIN_SCALE)
+    tl.store(scale_ptr + row * groups_per_row + group, scale)
+    for chunk in range(start, end, BLOCK):
+        cols = chunk + offsets
+        mask = cols < end
+        q = _quantize_to_fp8(_silu_and_mul(x_row, cols, mask, half_len, IN_DTYPE), scale, FP8_MAX_)
+        tl.store(q_ptr + row * half_len + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x viewed as [rows, K] with K contiguous (copied only when no such view exists)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[1] > 1 and rows.stride(1) != 1:
+        rows = rows.contiguous()
+    return rows
+
+
+def _block_for(length: int) -> int:
+    return min(triton.next_power_of_2(max(length, 16)), MAX_BLOCK)
+
+
+def _num_warps(block: int) -> int:
+    return 1 if block <= 256 else 4 if block <= 2048 else 8
+
+
+def _quant_outputs(
+    shape: tuple[int, ...], group_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    groups_per_row = -(-shape[-1] // group_len)
+    q = torch.empty(shape, dtype=FP8_DTYPE, device=device)
+    scales = torch.empty((*shape[:-1], groups_per_row), dtype=torch.float32, device=device)
+    return q, scales, groups_per_row
+
+
+def rms_norm_quant(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    group_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(q [..., K] e4m3, fp32 scales [..., ceil(K / group_size)], x + residual or None) of
+    weight * rmsnorm(x (+ residual)); group_size None = one scale per row."""
+    assert residual is None or residual.dtype == x.dtype, "the pass fuses same-dtype sums only"
+    rows = _as_rows(x)
+    res_rows = rows if residual is None else _as_rows(residual)
+    num_rows, row_len = rows.shape
+    group_len = row_len if group_size is None else group_size
+    q, scales, groups_per_row = _quant_outputs(tuple(x.shape), group_len, x.device)
+    residual_out = (
+        None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    )
+    if num_rows == 0:
+        return q, scales, residual_out
+    block = _block_for(group_len)
+    _rms_norm_quant_kernel[(num_rows,)](
+        rows,
+        res_rows,
+        weight.contiguous(),
+        q,
+        scales,
+        rows if residual_out is None else residual_out,
+        row_len,
+        float(row_len),
+        group_len,
+        groups_per_row,
+        rows.stride(0),
+        res_rows.stride(0),
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        IN_DTYPE=_TL_DTYPES[x.dtype],
+        NORM_DTYPE=_TL_DTYPES[torch.promote_types(weight.dtype, x.dtype)],
+        FP8_MAX_=FP8_MAX,
+        MIN_SCALE=FP8_MIN_SCALE,
+        BLOCK=block,
+        num_warps=_num_warps(block),
+    )
+    return q, scales, residual_out
+
+
+def silu_and_mul_quant(
+    x: torch.Tensor, group_size: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [..., K/2] e4m3, fp32 scales [..., ceil(K/2 / group_size)]) of silu(gate) * up for
+    x = [gate | up]; group_size None = one scale per row."""
+    rows = _as_rows(x)
+    num_rows, half_len = rows.shape[0], rows.shape[1] // 2
+    group_len = half_len if group_size is None else group_size
+    out_shape = (*x.shape[:-1], half_len)
+    q, scales, groups_per_row = _quant_outputs(out_shape, group_len, x.device)
+    if num_rows == 0 or half_len == 0:
+        return q, scales
+    block = _block_for(group_len)
+    _silu_and_mul_quant_kernel[(num_rows, groups_per_row)](
+        rows,
+        q,
+        scales,
+        half_len,
+        group_len,
+        groups_per_row,
+        rows.stride(0),
+        IN_DTYPE=_TL_DTYPES[x.dtype],
+        FP8_MAX_=FP8_MAX,
+        MIN_SCALE=FP8_MIN_SCALE,
+        BLOCK=block,
+        num_warps=_num_warps(block),
+    )
+    return q, scales
