@@ -83,7 +83,7 @@ def main() -> None:
         "--compilation-level",
         type=int,
         default=2,
-        help="0 eager, 1 compile + piecewise graphs, 2 also full decode CUDA graphs (default)",
+        help="0 eager, 1 torch.compile, 2 also full decode CUDA graphs (default)",
     )
     parser.add_argument("--append", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args()

@@ -143,7 +143,7 @@ def main() -> None:
         "--compilation-level",
         type=int,
         default=2,
-        help="0 eager, 1 compile + piecewise, 2 also full decode CUDA graphs (default)",
+        help="0 eager, 1 torch.compile, 2 also full decode CUDA graphs (default)",
     )
     parser.add_argument("--peer", action="store_true", help="also run HF transformers")
     parser.add_argument("--append", action="store_true", help="append to benchmarks/RESULTS.md")

@@ -63,7 +63,14 @@ def expected(model_dir) -> dict[int, list[list[int]]]:
 def test_piecewise_graphs_equal_eager(model_dir, expected):
     """Level 1: prefills of up to 32 tokens and decodes replay piecewise graphs (attention eager
     between them); the 6-prompt prefill is larger than every graph and runs eagerly."""
-    llm = _llm(model_dir, compilation_config={"level": 1, "cudagraph_capture_sizes": [2, 8, 32]})
+    llm = _llm(
+        model_dir,
+        compilation_config={
+            "level": 1,
+            "cudagraph_capture_sizes": [2, 8, 32],
+            "piecewise_cudagraphs": True,
+        },
+    )
     runner = _runner(llm)
     assert runner._decode_graphs is None
     piecewise = runner._piecewise_graphs

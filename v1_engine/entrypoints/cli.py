@@ -129,7 +129,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         dest="compilation_config",
         type=compilation_value,
         default=None,
-        help="compilation level (-O0 eager; -O1 torch.compile + piecewise CUDA graphs; -O2 also "
+        help="compilation level (-O0 eager; -O1 torch.compile; -O2 also "
         "full CUDA graphs of decode steps) or a JSON object of CompilationConfig fields, e.g. "
         '\'{"level": 2, "cudagraph_capture_sizes": [1, 2, 4, 8]}\' (default: 2 on CUDA, 0 on '
         "CPU)",

@@ -256,8 +256,8 @@ class ModelRunner:
         }
 
     def _capture_cuda_graphs(self) -> None:
-        """Level 1: piecewise graphs for every step up to the largest size; level 2 also whole-
-        forward graphs of decode steps. One memory pool serves both."""
+        """Level 2: whole-forward graphs of decode steps; with `piecewise_cudagraphs` (level >= 1)
+        also piecewise graphs for every step up to the largest size. One memory pool serves both."""
         sizes = self._cudagraph_sizes()
         state = getattr(getattr(self._forward, "backend", None), "graph_state", None)
         if not sizes or state is None:
@@ -278,9 +278,10 @@ class ModelRunner:
             )
             decode.capture(self.attn_backend, layers)
             self._decode_graphs = decode
-        piecewise = PiecewiseCudaGraphs(self._forward, state, sizes, self.device, pool=pool)
-        piecewise.capture(self.attn_backend, layers)
-        self._piecewise_graphs = piecewise
+        if self.config.compilation_config.piecewise_cudagraphs:
+            piecewise = PiecewiseCudaGraphs(self._forward, state, sizes, self.device, pool=pool)
+            piecewise.capture(self.attn_backend, layers)
+            self._piecewise_graphs = piecewise
         self.startup_s["graph capture"] = time.perf_counter() - start
 
     # ---- one step ------------------------------------------------------------------------
