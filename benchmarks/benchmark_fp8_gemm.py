@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from v1_engine.kernels import fp8
+from v1_engine.kernels import fp8, fp8_cutlass
 
 M_VALUES = (1, 16, 64, 128, 256, 512, 1024, 4096, 8192)
 L2_BYTES = 60 * 2**20
@@ -98,13 +98,13 @@ def cublas_fn(case: Case, fast_accum: bool) -> Callable[[torch.Tensor], torch.Te
 
 
 def ours_fn(case: Case, config: int | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda w: fp8.scaled_mm_cutlass(
+    return lambda w: fp8_cutlass.scaled_mm_cutlass(
         case.a, w, case.sa, case.sb, torch.bfloat16, config=config
     )
 
 
 def block_fn(case: Case) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda w: fp8.block_scaled_mm_cutlass(
+    return lambda w: fp8_cutlass.block_scaled_mm_cutlass(
         case.a, w, case.block_sa, case.block_sb, torch.bfloat16
     )
 
@@ -176,7 +176,7 @@ def run_comparison(args: argparse.Namespace) -> list[dict]:
                 "m": m,
                 "n": shape.n,
                 "k": shape.k,
-                "config": fp8.scaled_mm_config(m),
+                "config": fp8_cutlass.scaled_mm_config(m),
                 "ours": case.flops / (t_ours * 1e-3) / 1e12,
                 "cublas": case.flops / (t_cublas * 1e-3) / 1e12,
                 "block": case.flops / (t_block * 1e-3) / 1e12,
@@ -232,7 +232,7 @@ def summary(rows: list[dict]) -> str:
 
 def run_tune(args: argparse.Namespace) -> None:
     """Times every tile configuration for each M over all shapes; prints the best per M."""
-    num_configs = fp8.NUM_SCALED_MM_CONFIGS
+    num_configs = fp8_cutlass.NUM_SCALED_MM_CONFIGS
     best_table = []
     print("| M | " + " | ".join(f"cfg {c}" for c in range(num_configs)) + " | best |")
     print("|---" * (num_configs + 2) + "|")

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from v1_engine.kernels import _C, fp8
+from v1_engine.kernels import _C, fp8, fp8_cutlass
 from v1_engine.kernels.fp8 import FP8_DTYPE
 
 LLAMA_8B_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
@@ -215,17 +215,17 @@ def test_block_scaled_mm_entry_names_the_failed_check(overrides: dict, match: st
     reason = lib.v1e_fp8_gemm_error().decode()
     assert re.search(match, reason), reason
     with pytest.raises(RuntimeError, match=match):
-        fp8._check_gemm_status(lib, code, "v1e_block_scaled_mm")
+        fp8_cutlass.check_gemm_status(lib, code, "v1e_block_scaled_mm")
 
 
 def test_scaled_mm_entry_names_the_failed_check() -> None:
     lib = _library_or_skip()
     args = [0x1000, 0x2000, 0x3000, 0x4000, 0x5000, None, 4, 64, 64, 64, 64, 1, 1, 1, 0, None]
-    args[14] = fp8.NUM_SCALED_MM_CONFIGS  # config id
+    args[14] = fp8_cutlass.NUM_SCALED_MM_CONFIGS  # config id
     assert lib.v1e_scaled_mm(*args) == CUDA_ERROR_INVALID_VALUE
     assert lib.v1e_fp8_gemm_error().decode() == (
-        f"v1e_scaled_mm: config {fp8.NUM_SCALED_MM_CONFIGS} is outside "
-        f"[0, {fp8.NUM_SCALED_MM_CONFIGS})"
+        f"v1e_scaled_mm: config {fp8_cutlass.NUM_SCALED_MM_CONFIGS} is outside "
+        f"[0, {fp8_cutlass.NUM_SCALED_MM_CONFIGS})"
     )
     args[14], args[4] = 0, None  # scale_b missing
     assert lib.v1e_scaled_mm(*args) == CUDA_ERROR_INVALID_VALUE
@@ -264,14 +264,14 @@ def test_scaled_mm_matches_ref_gpu(m: int, n: int, k: int) -> None:
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("per_tensor", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("config", range(fp8.NUM_SCALED_MM_CONFIGS))
+@pytest.mark.parametrize("config", range(fp8_cutlass.NUM_SCALED_MM_CONFIGS))
 def test_every_tile_config_matches_ref_gpu(
     config: int, out_dtype: torch.dtype, per_tensor: bool, with_bias: bool
 ) -> None:
     for m, n, k in [(1, 4096, 4096), (37, 1024, 512), (300, 2048, 1024)]:
         a, b, sa, sb = gpu_case(m, n, k, seed=config * 7 + m, per_tensor=per_tensor)
         bias = torch.randn(n, device="cuda").to(out_dtype) if with_bias else None
-        got = fp8.scaled_mm_cutlass(a, b, sa, sb, out_dtype, bias, config=config)
+        got = fp8_cutlass.scaled_mm_cutlass(a, b, sa, sb, out_dtype, bias, config=config)
         assert_gemm_close(got, fp8.scaled_mm_ref(a, b, sa, sb, out_dtype, bias))
 
 

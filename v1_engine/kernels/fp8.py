@@ -14,13 +14,9 @@ contiguous); `y = (a * scale_a) @ (b * scale_b).T + bias` in `out_dtype`.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import math
-
 import torch
 
-from v1_engine.kernels import _C
+from v1_engine.kernels.fp8_cutlass import block_scaled_mm_cutlass, scaled_mm_cutlass
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -35,22 +31,6 @@ GEMM_ALIGNMENT = 16
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUTPUT_DTYPES = (torch.bfloat16, torch.float16)
-
-SCALED_MM_DISPATCH: tuple[tuple[int, int], ...] = (
-    (16, 0),
-    (32, 1),
-    (64, 2),
-    (128, 3),
-    (256, 4),
-    (math.inf, 5),
-)
-"""(largest M, tile configuration id of csrc/scaled_mm_kernels.cuh) for the per-channel GEMM, by
-M bucket; small M runs swapped configurations (computes the transposed problem). Set from
-`benchmarks/benchmark_fp8_gemm.py --tune`."""
-
-NUM_SCALED_MM_CONFIGS = 8
-"""Tile configurations compiled into the library (ids 0..7), see csrc/scaled_mm_kernels.cuh."""
-
 
 # --------------------------------------------------------------------------------------------
 # PyTorch references (fp32 math): the CPU path and the tests' oracle.
@@ -471,131 +451,3 @@ def block_scaled_mm(
     if a.is_cuda:
         _check_cuda_alignment(a, b, block_scaled=True)
     return torch.ops.v1_engine.block_scaled_mm(a, b, scale_a, scale_b, out_dtype)
-
-
-# --------------------------------------------------------------------------------------------
-# CUTLASS launches through the C ABI.
-# --------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _library() -> ctypes.CDLL:
-    """The kernel library, checked once per process to hold the FP8 GEMMs."""
-    lib = _C.load_library()
-    if lib is None:
-        raise RuntimeError(
-            f"FP8 GEMMs on CUDA need the compiled kernel library, but {_C.library_path()} does "
-            f"not exist: build it with `pip install -e .` where nvcc and nvidia-cutlass are "
-            f"installed, or point {_C.LIBRARY_ENV_VAR} at a built {_C.LIBRARY_FILENAME}"
-        )
-    if not lib.v1e_has_fp8_gemm():
-        raise RuntimeError(
-            f"{_C.library_path()} was built without the CUTLASS FP8 GEMMs (the nvidia-cutlass "
-            "headers were missing at build time): `pip install nvidia-cutlass==4.2.0.0` and "
-            "rebuild"
-        )
-    return lib
-
-
-def scaled_mm_config(m: int) -> int:
-    """The tile configuration id the dispatch table picks for M rows."""
-    return next(config for max_m, config in SCALED_MM_DISPATCH if m <= max_m)
-
-
-def scaled_mm_cutlass(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    scale_b: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-    config: int | None = None,
-) -> torch.Tensor:
-    """The CUTLASS per-tensor/per-channel GEMM; `config` overrides the dispatch table (tuning)."""
-    lib = _library()
-    m, n, k = a.shape[0], b.shape[0], a.shape[1]
-    out = a.new_empty((m, n), dtype=out_dtype)
-    if m == 0:
-        return out
-    if config is None:
-        config = scaled_mm_config(m)
-    elif not 0 <= config < NUM_SCALED_MM_CONFIGS:
-        raise ValueError(f"config must be in [0, {NUM_SCALED_MM_CONFIGS}), got {config}")
-    scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
-    with torch.cuda.device(a.device):
-        code = lib.v1e_scaled_mm(
-            out.data_ptr(),
-            a.data_ptr(),
-            b.data_ptr(),
-            scale_a.data_ptr(),
-            scale_b.data_ptr(),
-            0 if bias is None else bias.contiguous().data_ptr(),
-            m,
-            n,
-            k,
-            a.stride(0) if m > 1 else k,
-            b.stride(0) if n > 1 else k,
-            int(scale_a.numel() != 1),
-            int(scale_b.numel() != 1),
-            _C.DTYPE_CODES[out_dtype],
-            config,
-            torch.cuda.current_stream().cuda_stream,
-        )
-    _check_gemm_status(lib, code, "v1e_scaled_mm")
-    return out
-
-
-def block_scaled_mm_cutlass(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    scale_b: torch.Tensor,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """The CUTLASS blockwise-scaled GEMM (1x128 activation groups, 128x128 weight blocks)."""
-    lib = _library()
-    m, n, k = a.shape[0], b.shape[0], a.shape[1]
-    out = a.new_empty((m, n), dtype=out_dtype)
-    if m == 0:
-        return out
-    scale_a_m_major = _m_major_scales(scale_a)
-    scale_b = scale_b.contiguous()
-    with torch.cuda.device(a.device):
-        code = lib.v1e_block_scaled_mm(
-            out.data_ptr(),
-            a.data_ptr(),
-            b.data_ptr(),
-            scale_a_m_major.data_ptr(),
-            scale_b.data_ptr(),
-            m,
-            n,
-            k,
-            a.stride(0) if m > 1 else k,
-            b.stride(0) if n > 1 else k,
-            scale_a_m_major.stride(0),
-            _C.DTYPE_CODES[out_dtype],
-            torch.cuda.current_stream().cuda_stream,
-        )
-    _check_gemm_status(lib, code, "v1e_block_scaled_mm")
-    return out
-
-
-def _check_gemm_status(lib: ctypes.CDLL, code: int, entry_point: str) -> None:
-    """Raises RuntimeError with the CUDA code's text and the library's account of which check
-    refused the call (an argument check or a CUTLASS can_implement stage), when it failed."""
-    if code != 0:
-        status = lib.v1e_error_string(code).decode(errors="replace")
-        reason = lib.v1e_fp8_gemm_error().decode(errors="replace") or "no reason recorded"
-        raise RuntimeError(f"{entry_point} failed with CUDA error {code} ({status}): {reason}")
-
-
-def _m_major_scales(scale_a: torch.Tensor) -> torch.Tensor:
-    """scale_a [M, KB] copied to [KB, M padded to 4] (M contiguous): the kernel loads a tile's
-    activation scales with TMA, which needs the M extent and the row stride to be multiples of
-    16 bytes. The padding rows stay uninitialized: they only scale output rows past M, which the
-    kernel never stores."""
-    m, k_blocks = scale_a.shape
-    padded_m = -(-m // 4) * 4
-    out = scale_a.new_empty((k_blocks, padded_m))
-    out[:, :m].copy_(scale_a.t())
-    return out
