@@ -23,13 +23,8 @@ pytest.importorskip("triton")
 if not _CUDA and "v1_engine.kernels.triton_cache" in sys.modules:
     importlib.reload(sys.modules["v1_engine.kernels.triton_cache"])
 
-from v1_engine.kernels.cache_ops import (
-    FP8_DTYPE,
-    FP8_MAX,
-    dequantize_fp8,
-    quantize_fp8,
-    write_to_kv_cache,
-)
+from v1_engine.kernels.cache_ops import dequantize_fp8, quantize_fp8, write_to_kv_cache
+from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from v1_engine.kernels.triton_cache import quantize_and_cache
 
 E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()

@@ -19,10 +19,8 @@ from __future__ import annotations
 import torch
 
 from v1_engine.kernels import _C
+from v1_engine.kernels.fp8 import FP8_DTYPE, quantize_with_scale
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-"""The largest finite e4m3 magnitude: quantized values saturate here instead of becoming NaN."""
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE)
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -49,9 +47,8 @@ def write_to_kv_cache(
     torch.ops.v1_engine.reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x / scale in e4m3 (saturated at +-448, rounded to nearest even): the reference of the write."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+quantize_fp8 = quantize_with_scale
+"""x / scale in e4m3 (saturated at +-448, rounded to nearest even): the reference of the write."""
 
 
 def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

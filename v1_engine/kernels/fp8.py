@@ -37,9 +37,9 @@ OUTPUT_DTYPES = (torch.bfloat16, torch.float16)
 # --------------------------------------------------------------------------------------------
 
 
-def _quantize_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x / scale (IEEE division: scale is a tensor on x's device), saturated to the e4m3 range,
-    rounded to nearest even."""
+    rounded to nearest even: every FP8 quantization reference (activations, the KV-cache write)."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
@@ -58,13 +58,13 @@ def scaled_fp8_quant_ref(
     """Per-tensor quantization: static with `scale` ([1] fp32), else scale = amax(|x|) / 448."""
     if scale is None:
         scale = _scale_from_amax(x.abs().amax()).reshape(1)
-    return _quantize_with_scale(x, scale), scale
+    return quantize_with_scale(x, scale), scale
 
 
 def per_token_fp8_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per row (last dim): q [..., K] e4m3, scales [..., 1] fp32."""
     scales = _scale_from_amax(x.abs().amax(dim=-1, keepdim=True))
-    return _quantize_with_scale(x, scales), scales
+    return quantize_with_scale(x, scales), scales
 
 
 def per_token_group_fp8_quant_ref(
@@ -77,7 +77,7 @@ def per_token_group_fp8_quant_ref(
     padded = torch.nn.functional.pad(x.float(), (0, num_groups * group_size - k))
     grouped = padded.unflatten(-1, (num_groups, group_size))
     scales = _scale_from_amax(grouped.abs().amax(dim=-1))
-    q = _quantize_with_scale(grouped, scales.unsqueeze(-1)).flatten(-2)[..., :k]
+    q = quantize_with_scale(grouped, scales.unsqueeze(-1)).flatten(-2)[..., :k]
     return q, scales
 
 

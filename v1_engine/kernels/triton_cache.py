@@ -44,7 +44,7 @@ def _round_to_e4m3_grid(x):
 def _quantize_row(src_ptr, dst_ptr, scale, offs_src, offs_dst, mask):
     x = tl.load(src_ptr + offs_src, mask=mask, other=0.0).to(tl.float32)
     x = tl.div_rn(x, scale)
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)  # cache_ops.FP8_MAX: saturate, never NaN
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)  # fp8.FP8_MAX: saturate, never NaN
     x = _round_to_e4m3_grid(x)
     tl.store(dst_ptr + offs_dst, x.to(dst_ptr.dtype.element_ty), mask=mask)
 

@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_BLOCK = 128
-"""Block-FP8 granularity: weight scales per 128x128 block, activation scales per 1x128 group."""
+from v1_engine.kernels.fp8 import BLOCK_SIZE as FP8_BLOCK
+from v1_engine.kernels.fp8 import FP8_DTYPE
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
