@@ -7,6 +7,7 @@ scheduler beyond the SchedulerOutput / ModelRunnerOutput contract.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -151,6 +152,7 @@ class ModelRunner:
             )
         return num_blocks
 
+    @functools.cached_property
     def _cudagraph_sizes(self) -> list[int]:
         """Sizes to capture CUDA graphs for (tokens for piecewise graphs, requests for decode
         graphs); empty when graphs are off (CPU, level 0, a backend that cannot be captured)."""
@@ -174,7 +176,7 @@ class ModelRunner:
         """Memory the graphs' shared pool will take, measured before the KV pool exists: the peak
         activations of the largest captured batch (the pool holds about one such forward, as
         smaller graphs reuse it), plus the decode graphs' output buffers."""
-        sizes = self._cudagraph_sizes()
+        sizes = self._cudagraph_sizes
         if not sizes:
             return 0
         largest = sizes[-1]
@@ -229,7 +231,7 @@ class ModelRunner:
         from compile.cache import use_compile_cache
 
         use_compile_cache(self._compile_cache_parts())
-        compiled = build_compiled_forward(self.model, cc, cudagraphs=bool(self._cudagraph_sizes()))
+        compiled = build_compiled_forward(self.model, cc, cudagraphs=bool(self._cudagraph_sizes))
         num_tokens = min(16, self.config.scheduler_config.max_num_batched_tokens)
         with torch.inference_mode():
             # Created like a step's inputs (inference tensors): Dynamo guards on it.
@@ -258,7 +260,7 @@ class ModelRunner:
     def _capture_cuda_graphs(self) -> None:
         """Level 2: whole-forward graphs of decode steps; with `piecewise_cudagraphs` (level >= 1)
         also piecewise graphs for every step up to the largest size. One memory pool serves both."""
-        sizes = self._cudagraph_sizes()
+        sizes = self._cudagraph_sizes
         state = getattr(getattr(self._forward, "backend", None), "graph_state", None)
         if not sizes or state is None:
             return
