@@ -76,9 +76,8 @@ def cache_root() -> Path | None:
 
 
 def use_compile_cache(parts: dict[str, Any]) -> Path | None:
-    """Point Inductor and Triton at the cache directory of `parts`; returns it (None: off).
-
-    Returns whether a previous start filled it in the log line ("warm" or "cold")."""
+    """Point Inductor and Triton at the cache directory of `parts` and return it (None when the
+    cache is off); the log line says whether an earlier start already filled it (warm/cold)."""
     root = cache_root()
     if root is None:
         return None
