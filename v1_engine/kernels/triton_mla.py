@@ -30,6 +30,7 @@ graph.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -38,8 +39,22 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-DEFAULT_BLOCK_H = 16
-"""Heads per program: the smallest M a tensor-core dot takes; 16 covers DeepSeek-V2-Lite."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_h: int
+    """Heads per program (the M of the score dot; 16 is the smallest a tensor-core dot takes)."""
+    tile: int
+    """Cached tokens per loop iteration."""
+    num_warps: int
+
+
+def launch_config(num_heads: int, dot_f32: bool) -> LaunchConfig:
+    """The default launch of the decode kernel for `num_heads` query heads."""
+    if dot_f32:
+        return LaunchConfig(block_h=16, tile=16, num_warps=4)
+    return LaunchConfig(block_h=16, tile=32, num_warps=8)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -76,8 +91,10 @@ def _mla_decode_kernel(
     DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    head_tile = tl.program_id(1)
+    # Head tiles vary fastest, so the programs reading one request's split run side by side and
+    # the tiles after the first find its latents in L2.
+    head_tile = tl.program_id(0)
+    req = tl.program_id(1)
     split = tl.program_id(2)
 
     q_start = tl.load(query_start_loc_ptr + req)
@@ -308,7 +325,10 @@ def mla_decode(
     scale: float,
     output: torch.Tensor,
     num_splits: int | None = None,
-    block_h: int = DEFAULT_BLOCK_H,
+    block_h: int | None = None,
+    tile: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
 ) -> None:
     """Absorbed MLA of every decode request's token over its cached latents, into output.
 
@@ -319,7 +339,9 @@ def mla_decode(
     computed; output [T, H, R] rows of other requests are left untouched. block_table
     [num_reqs, max_blocks] / seq_lens [num_reqs] / query_start_loc [num_reqs + 1] are int32 on
     the query's device. `num_splits` forces the split-KV factor (None picks it from the shape);
-    `max_seq_len` bounds every seq_lens entry.
+    `max_seq_len` bounds every seq_lens entry. `block_h` (heads per program), `tile` (cached
+    tokens per loop step), `num_warps` and `num_stages` override the launch configuration
+    (None picks it from the shape, see `launch_config`).
     """
     _check_args(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, output)
     num_reqs = seq_lens.shape[0]
@@ -327,10 +349,15 @@ def mla_decode(
     rope = q_pe.shape[2]
     if q_nope.shape[0] == 0 or num_reqs == 0:
         return
+    dot_f32 = q_nope.dtype == torch.float32 or (_interpreting() and q_nope.dtype == torch.bfloat16)
+    default = launch_config(num_heads, dot_f32)
+    block_h = default.block_h if block_h is None else block_h
+    tile = default.tile if tile is None else tile
+    num_warps = default.num_warps if num_warps is None else num_warps
     if block_h < 16 or block_h & (block_h - 1):
         raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
-    dot_f32 = q_nope.dtype == torch.float32 or (_interpreting() and q_nope.dtype == torch.bfloat16)
-    tile = 16 if dot_f32 else 32
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two >= 16, got {tile}")
     num_head_tiles = triton.cdiv(num_heads, block_h)
     rank_pad = max(16, triton.next_power_of_2(rank))
     if num_splits is None:
@@ -349,7 +376,7 @@ def mla_decode(
         )
     else:
         part_out = part_lse = output  # unused by the kernel
-    _mla_decode_kernel[(num_reqs, num_head_tiles, num_splits)](
+    _mla_decode_kernel[(num_head_tiles, num_reqs, num_splits)](
         output,
         part_out,
         part_lse,
@@ -381,8 +408,8 @@ def mla_decode(
         USE_SPLITS=use_splits,
         DOT_F32=dot_f32,
         DOT_PRECISION="ieee" if dot_f32 else "tf32",
-        num_warps=8 if rank_pad >= 256 else 4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if use_splits:
         _mla_merge_kernel[(num_reqs, num_heads)](
