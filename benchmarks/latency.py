@@ -85,6 +85,9 @@ def main() -> None:
         default=2,
         help="0 eager, 1 torch.compile, 2 also full decode CUDA graphs (default)",
     )
+    parser.add_argument(
+        "--quantization", default=None, choices=("fp8",), help="fp8: online FP8 weights"
+    )
     parser.add_argument("--append", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
@@ -104,13 +107,16 @@ def main() -> None:
         enable_prefix_caching=False,
         compilation_config=args.compilation_level,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        quantization=args.quantization,
     )
     timed_generate(llm, random_prompts(2, args.input_len, shape.vocab, 99), 4)  # warm-up
     mode = "eager -O0" if args.compilation_level == 0 else f"compiled -O{args.compilation_level}"
 
     lines = [
         (
-            f"model {args.model} (dummy weights, bf16, {mode}){'; ' + note if note else ''}; "
+            f"model {args.model} (dummy weights, bf16"
+            f"{', FP8 weights (roofline columns: the bf16 model)' if args.quantization else ''}"
+            f", {mode}){'; ' + note if note else ''}; "
             f"bf16 GEMM measured {gemm_tflops:.0f} TFLOP/s; HBM roofline {HBM_BYTES_PER_S / 1e12:.2f} "
             "TB/s"
         ),

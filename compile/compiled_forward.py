@@ -59,7 +59,12 @@ class CompiledForward:
         torch._dynamo.decorators.mark_unbacked(input_ids, 0)
         torch._dynamo.decorators.mark_unbacked(positions, 0)
         start = time.perf_counter()
-        output = self._compiled(input_ids, positions)
+        # Dynamo shares a module's forward code across models: without this, a second model in
+        # the process whose float attribute (an eps, a scaling factor) differs from the first's
+        # makes "automatic dynamic" turn it into a symbol and restart the trace. The token
+        # dimension is marked unbacked above, so nothing else needs to be dynamic.
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            output = self._compiled(input_ids, positions)
         self.trace_s = time.perf_counter() - start
         self.backend.allow_recompile = False
         logger.info(

@@ -17,6 +17,7 @@ DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMAT_CHOICES = ("auto", "dummy", "gguf", "safetensors")
 QUANTIZATION_CHOICES = (None, "fp8")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3")
+ATTENTION_BACKEND_CHOICES = (None, "triton", "flash_attn", "cpu")
 
 
 @dataclass
@@ -73,6 +74,11 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     """KV-cache dtype: auto follows the model dtype; fp8 (= fp8_e4m3) stores K/V in e4m3 with
     per-layer scales, halving the cache's bytes."""
+    attention_backend: str | None = None
+    """Which backend reads the paged cache: None picks (Triton on CUDA, the PyTorch reference on
+    CPU, unless $V1ENGINE_ATTENTION_BACKEND says otherwise); "flash_attn" needs the optional
+    vllm_flash_attn package, a float16/bfloat16 model, kv_cache_dtype "auto" and a block_size
+    that is a multiple of 16."""
 
     def verify(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -89,6 +95,21 @@ class CacheConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, "
                 f"got {self.kv_cache_dtype!r}"
+            )
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKEND_CHOICES}, "
+                f"got {self.attention_backend!r}"
+            )
+        if self.attention_backend == "flash_attn" and self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto' with attention_backend 'flash_attn', "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if self.attention_backend == "flash_attn" and self.block_size % 16:
+            raise ValueError(
+                f"block_size must be a multiple of 16 with attention_backend 'flash_attn', "
+                f"got {self.block_size}"
             )
 
 
@@ -138,13 +159,14 @@ class CompilationConfig:
     """Batch sizes (tokens of a piecewise graph, requests of a decode graph) captured in CUDA
     graphs; a batch is padded up to the next one. None derives them (see capture_sizes)."""
     max_cudagraph_capture_size: int = 512
-    """Largest batch a CUDA graph is captured for (capped by max_num_seqs)."""
+    """Largest batch a CUDA graph is captured for (capped by max_num_seqs for decode graphs, by
+    max_num_batched_tokens for piecewise graphs)."""
     fusion_passes: list[str] = field(default_factory=list)
     """Graph rewrites applied before Inductor, from FUSION_PASSES."""
-    piecewise_cudagraphs: bool = False
-    """Also capture piecewise CUDA graphs (level >= 1 on CUDA) for steps up to the largest
-    capture size that are not uniform decode steps. Off by default: its GPU equality test against
-    eager failed in its first H200 run and the cause is not yet diagnosed (see RESULTS.md)."""
+    piecewise_cudagraphs: bool = True
+    """Capture piecewise CUDA graphs (level >= 1 on CUDA) for steps of up to the largest capture
+    size in tokens that are not uniform decode steps (prefills, mixed batches): the compiled
+    pieces replay as graphs and only attention runs eagerly between them."""
 
     @classmethod
     def from_value(
@@ -179,11 +201,12 @@ class CompilationConfig:
             return 2 if device_type == "cuda" else 0
         return self.level
 
-    def capture_sizes(self, max_num_seqs: int) -> list[int]:
+    def capture_sizes(self, limit: int) -> list[int]:
         """Batch sizes CUDA graphs are captured for, ascending: the configured list, or 1, 2, 4,
         then every 8 up to 256 and every 16 beyond, up to max_cudagraph_capture_size; both capped
-        by max_num_seqs (a decode batch never has more requests)."""
-        cap = min(self.max_cudagraph_capture_size, max_num_seqs)
+        by `limit`, the largest batch the graphs can see (max_num_seqs requests for decode
+        graphs, max_num_batched_tokens tokens for piecewise graphs)."""
+        cap = min(self.max_cudagraph_capture_size, limit)
         if self.cudagraph_capture_sizes is not None:
             return sorted({s for s in self.cudagraph_capture_sizes if s <= cap})
         sizes = [1, 2, 4, *range(8, 256, 8), *range(256, cap + 1, 16)]

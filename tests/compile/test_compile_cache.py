@@ -56,14 +56,14 @@ def test_default_level_is_two_on_cuda_and_eager_on_cpu():
 
 
 def test_capture_sizes():
-    sizes = CompilationConfig().capture_sizes(max_num_seqs=1024)
+    sizes = CompilationConfig().capture_sizes(limit=1024)
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 512
     assert 248 in sizes and 256 in sizes and 272 in sizes and 260 not in sizes
     assert sizes == sorted(set(sizes))
-    assert CompilationConfig().capture_sizes(max_num_seqs=100)[-1] == 100
+    assert CompilationConfig().capture_sizes(limit=100)[-1] == 100
     assert CompilationConfig(max_cudagraph_capture_size=8).capture_sizes(64) == [1, 2, 4, 8]
     explicit = CompilationConfig(cudagraph_capture_sizes=[4, 1, 64, 2])
-    assert explicit.capture_sizes(max_num_seqs=32) == [1, 2, 4]
+    assert explicit.capture_sizes(limit=32) == [1, 2, 4]
 
 
 _START = """

@@ -114,6 +114,22 @@ def test_decode_graphs_equal_eager(model_dir, expected):
     )
 
 
+def test_level2_replays_piecewise_and_decode_graphs(model_dir, expected):
+    """Default -O2: prefills and mixed steps of up to 64 tokens replay piecewise graphs, uniform
+    decode steps replay the full decode graphs; tokens equal eager's."""
+    llm = _llm(model_dir, compilation_config={"level": 2, "cudagraph_capture_sizes": [4, 16, 64]})
+    runner = _runner(llm)
+    decode, piecewise = runner._decode_graphs, runner._piecewise_graphs
+    assert decode is not None and decode.sizes == [4, 16]  # capped by max_num_seqs
+    assert piecewise is not None and piecewise.sizes == [4, 16, 64]
+    for n in (1, 3, 6):
+        before_decode, before_piecewise = decode.num_replays, piecewise.num_replays
+        _assert_same_tokens(_greedy(llm, PROMPTS[:n]), expected[n])
+        assert decode.num_replays - before_decode >= 10
+        assert piecewise.num_replays > before_piecewise  # the prefill step
+    assert runner._forward.stats.num_traces == 1
+
+
 def test_default_model_level2_equals_eager_fp32():
     kwargs = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 8}
     eager = _greedy(LLM(enforce_eager=True, **kwargs), PROMPTS[:5], max_tokens=24)

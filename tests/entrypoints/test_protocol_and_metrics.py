@@ -218,3 +218,12 @@ def test_prometheus_loggers_have_separate_registries():
     first.record(None, [_output("a", [1, 2])], 1.0)
     assert _value(first, "generation_tokens_total") == 2
     assert _value(second, "generation_tokens_total") == 0
+
+
+def test_cli_kv_cache_dtype_fp8_reaches_the_engine(capsys):
+    args = make_parser().parse_args(["--kv-cache-dtype", "fp8"])
+    assert engine_kwargs(args)["kv_cache_dtype"] == "fp8"
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["--kv-cache-dtype", "int4"])
+    err = capsys.readouterr().err
+    assert "--kv-cache-dtype" in err and "fp8_e4m3" in err

@@ -13,7 +13,13 @@ import os
 import sys
 from typing import Any
 
-from v1_engine.config import DTYPE_CHOICES, LOAD_FORMAT_CHOICES, QUANTIZATION_CHOICES
+from v1_engine.config import (
+    ATTENTION_BACKEND_CHOICES,
+    DTYPE_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
+    LOAD_FORMAT_CHOICES,
+    QUANTIZATION_CHOICES,
+)
 
 API_KEY_ENV = "V1ENGINE_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -101,8 +107,16 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=("auto",),
-        help="KV-cache dtype; auto follows the model dtype (default: auto)",
+        choices=KV_CACHE_DTYPE_CHOICES,
+        help="KV-cache dtype; auto follows the model dtype, fp8 (= fp8_e4m3) stores K/V in e4m3 "
+        "with per-layer scales (default: auto)",
+    )
+    group.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=[c for c in ATTENTION_BACKEND_CHOICES if c is not None],
+        help="attention backend; flash_attn needs the optional vllm_flash_attn package "
+        "(default: triton on CUDA, cpu on CPU)",
     )
     group.add_argument(
         "--dtype",
@@ -191,6 +205,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "async_scheduling",
         "compilation_config",
         "quantization",
+        "attention_backend",
     )
     kwargs.update({k: getattr(args, k) for k in optional if getattr(args, k) is not None})
     return kwargs

@@ -16,16 +16,16 @@ import torch
 from v1_engine.kernels import _C
 
 SCALED_MM_DISPATCH: tuple[tuple[int, int], ...] = (
-    (16, 0),
-    (32, 1),
-    (64, 2),
-    (128, 3),
-    (256, 4),
+    (32, 0),
+    (64, 1),
+    (256, 7),
+    (4096, 4),
     (math.inf, 5),
 )
 """(largest M, tile configuration id of csrc/scaled_mm_sm90.cuh) for the per-channel GEMM, by
 M bucket; small M runs swapped configurations (computes the transposed problem). Set from
-`benchmarks/benchmark_fp8_gemm.py --tune`."""
+`benchmarks/benchmark_fp8_gemm.py --tune` on the H200 (2026-12-02, geometric-mean TFLOP/s over
+the Llama-3-8B/70B shapes at M = 1..8192; benchmarks/RESULTS.md "FP8 GEMM tile tuning")."""
 
 NUM_SCALED_MM_CONFIGS = 8
 """Tile configurations compiled into the library (ids 0..7), see csrc/scaled_mm_sm90.cuh."""

@@ -19,25 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _round_to_e4m3_grid(x):
-    """float32 x with |x| <= 448, rounded to the nearest e4m3 value (ties to even), as float32.
-
-    Between 2^e and 2^(e+1) e4m3 values are spaced 2^(e-3); below 2^-6 (subnormals) the spacing
-    stays 2^-9. Scaling by a power of two is exact, so the rounding is that of an integer.
-    """
-    magnitude = tl.abs(x)
-    exponent = (magnitude.to(tl.int32, bitcast=True) >> 23) - 127
-    spacing_exp = tl.maximum(exponent, -6) - 3
-    spacing = ((spacing_exp + 127) << 23).to(tl.float32, bitcast=True)
-    inv_spacing = ((127 - spacing_exp) << 23).to(tl.float32, bitcast=True)
-    steps = magnitude * inv_spacing
-    whole = steps.to(tl.int32)  # steps >= 0: truncation is the floor
-    frac = steps - whole.to(tl.float32)
-    round_up = (frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))
-    rounded = (whole + round_up.to(tl.int32)).to(tl.float32) * spacing
-    return tl.where(x < 0, -rounded, rounded)
+from v1_engine.kernels.triton_quant import _round_to_e4m3
 
 
 @triton.jit
@@ -45,7 +27,7 @@ def _quantize_row(src_ptr, dst_ptr, scale, offs_src, offs_dst, mask):
     x = tl.load(src_ptr + offs_src, mask=mask, other=0.0).to(tl.float32)
     x = tl.div_rn(x, scale)
     x = tl.minimum(tl.maximum(x, -448.0), 448.0)  # fp8.FP8_MAX: saturate, never NaN
-    x = _round_to_e4m3_grid(x)
+    x = _round_to_e4m3(x)
     tl.store(dst_ptr + offs_dst, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 

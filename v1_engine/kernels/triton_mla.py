@@ -48,13 +48,19 @@ class LaunchConfig:
     tile: int
     """Cached tokens per loop iteration."""
     num_warps: int
+    num_stages: int
 
 
 def launch_config(num_heads: int, dot_f32: bool) -> LaunchConfig:
-    """The default launch of the decode kernel for `num_heads` query heads."""
+    """The default launch of the decode kernel for `num_heads` query heads, from a sweep on the
+    H200 (batch 64 x 4k context, bf16, block size 64; benchmarks/RESULTS.md "MLA decode kernel
+    launch sweep"): up to 16 heads one head tile streams 128 tokens per step with 4 warps; more
+    heads take tiles of 64 heads (fewer re-reads of each latent) with 8 warps and 3 stages."""
     if dot_f32:
-        return LaunchConfig(block_h=16, tile=16, num_warps=4)
-    return LaunchConfig(block_h=16, tile=32, num_warps=8)
+        return LaunchConfig(block_h=16, tile=16, num_warps=4, num_stages=2)
+    if num_heads <= 16:
+        return LaunchConfig(block_h=16, tile=128, num_warps=4, num_stages=2)
+    return LaunchConfig(block_h=64, tile=64, num_warps=8, num_stages=3)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -307,10 +313,11 @@ def choose_num_splits(
 
 
 def _target_programs(device: torch.device) -> int:
-    """Programs that keep the device's memory pipes full: four per SM on a GPU."""
+    """Programs that keep the device's memory pipes full: two per SM on a GPU (the sweep's best
+    split count at batch 64 x 4k gives about that many)."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return 4 * _num_sms(index)
+        return 2 * _num_sms(index)
     return 8
 
 
@@ -328,7 +335,7 @@ def mla_decode(
     block_h: int | None = None,
     tile: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
 ) -> None:
     """Absorbed MLA of every decode request's token over its cached latents, into output.
 
@@ -354,6 +361,7 @@ def mla_decode(
     block_h = default.block_h if block_h is None else block_h
     tile = default.tile if tile is None else tile
     num_warps = default.num_warps if num_warps is None else num_warps
+    num_stages = default.num_stages if num_stages is None else num_stages
     if block_h < 16 or block_h & (block_h - 1):
         raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
     if tile < 16 or tile & (tile - 1):

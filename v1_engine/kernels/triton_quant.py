@@ -33,7 +33,11 @@ def _round_to_e4m3(v):
     step = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
     magnitude = tl.abs(v) * inv_step
     rounded = ((magnitude + 8388608.0) - 8388608.0) * step
-    return tl.where(v < 0, -rounded, rounded)
+    # The sign is copied as a bit: `where(v < 0, -rounded, rounded)` lost it for values that
+    # round to zero on the GPU (the compiler may ignore the sign of zero), giving +0 for the
+    # reference's -0.
+    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
+    return (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

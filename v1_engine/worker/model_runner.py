@@ -51,6 +51,28 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+@dataclasses.dataclass
+class StepInputs:
+    """One step's inputs: host-side arrays the runner keeps using, device tensors the forward and
+    the sampler read (all copied through the pinned staging, none with a sync)."""
+
+    rows: np.ndarray
+    """Input-batch row of each scheduled request."""
+    cu: np.ndarray
+    """Cumulative scheduled tokens, [num_reqs + 1]."""
+    seq_lens: np.ndarray
+    sample_idx: np.ndarray
+    """Scheduled requests that sample a token this step."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_idx: torch.Tensor
+    """Row of each sampling request's last token in the step's hidden states."""
+    feed_dst: torch.Tensor | None
+    """Where the previous step's sampled tokens go in input_ids; None when none do."""
+    feed_src: torch.Tensor
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
@@ -78,7 +100,7 @@ class ModelRunner:
         """Startup breakdown in seconds, logged once the forward is ready."""
         self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.model
         """The model forward as steps call it: the model itself, or its compiled form."""
-        self.attn_backend = get_attn_backend(device)
+        self.attn_backend = get_attn_backend(device, config.cache_config.attention_backend)
         self.sampler = Sampler()
         self.input_batch = InputBatch(
             config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size
@@ -153,24 +175,45 @@ class ModelRunner:
         return num_blocks
 
     @functools.cached_property
-    def _cudagraph_sizes(self) -> list[int]:
-        """Sizes to capture CUDA graphs for (tokens for piecewise graphs, requests for decode
-        graphs); empty when graphs are off (CPU, level 0, a backend that cannot be captured)."""
+    def _graphs_possible(self) -> bool:
+        """CUDA graphs need CUDA, level >= 1 and attention backends that can be captured."""
         cc = self.config.compilation_config
         if self.device.type != "cuda" or cc.effective_level("cuda") < 1:
-            return []
+            return False
         if not getattr(self.attn_backend, "supports_cudagraph", False):
             logger.info(
                 "attention backend %s cannot be captured: no CUDA graphs", self.attn_backend
             )
-            return []
+            return False
         from v1_engine.layers.mla import MLAAttention, get_mla_backend
 
         uses_mla = any(isinstance(x, MLAAttention) for x in self.model.attention_layers())
         if uses_mla and not getattr(get_mla_backend(self.device), "supports_cudagraph", False):
             logger.info("the MLA backend cannot be captured: no CUDA graphs")
+            return False
+        return True
+
+    @functools.cached_property
+    def _decode_graph_sizes(self) -> list[int]:
+        """Requests per decode graph (level 2); empty when there are none."""
+        cc = self.config.compilation_config
+        if not self._graphs_possible or cc.effective_level("cuda") < 2:
             return []
         return cc.capture_sizes(self.config.scheduler_config.max_num_seqs)
+
+    @functools.cached_property
+    def _piecewise_graph_sizes(self) -> list[int]:
+        """Tokens per piecewise graph (level >= 1, `piecewise_cudagraphs`); empty when none."""
+        cc = self.config.compilation_config
+        if not self._graphs_possible or not cc.piecewise_cudagraphs:
+            return []
+        return cc.capture_sizes(self.config.scheduler_config.max_num_batched_tokens)
+
+    @functools.cached_property
+    def _cudagraph_sizes(self) -> list[int]:
+        """Every size some graph is captured for (requests of a decode graph, tokens of a
+        piecewise graph), ascending; empty when graphs are off."""
+        return sorted(set(self._decode_graph_sizes) | set(self._piecewise_graph_sizes))
 
     def _cudagraph_reserve_bytes(self) -> int:
         """Memory the graphs' shared pool will take, measured before the KV pool exists: the peak
@@ -260,19 +303,18 @@ class ModelRunner:
     def _capture_cuda_graphs(self) -> None:
         """Level 2: whole-forward graphs of decode steps; with `piecewise_cudagraphs` (level >= 1)
         also piecewise graphs for every step up to the largest size. One memory pool serves both."""
-        sizes = self._cudagraph_sizes
         state = getattr(getattr(self._forward, "backend", None), "graph_state", None)
-        if not sizes or state is None:
+        if not self._cudagraph_sizes or state is None:
             return
         from compile.cuda_graphs import DecodeCudaGraphs, PiecewiseCudaGraphs
 
         layers = self.model.attention_layers()
         pool = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
-        if self.config.compilation_config.effective_level("cuda") >= 2:
+        if self._decode_graph_sizes:
             decode = DecodeCudaGraphs(
                 self._forward,
-                sizes,
+                self._decode_graph_sizes,
                 max_blocks_per_req=-(-self.max_model_len // self.block_size),
                 max_seq_len=self.max_model_len,
                 device=self.device,
@@ -280,8 +322,10 @@ class ModelRunner:
             )
             decode.capture(self.attn_backend, layers)
             self._decode_graphs = decode
-        if self.config.compilation_config.piecewise_cudagraphs:
-            piecewise = PiecewiseCudaGraphs(self._forward, state, sizes, self.device, pool=pool)
+        if self._piecewise_graph_sizes:
+            piecewise = PiecewiseCudaGraphs(
+                self._forward, state, self._piecewise_graph_sizes, self.device, pool=pool
+            )
             piecewise.capture(self.attn_backend, layers)
             self._piecewise_graphs = piecewise
         self.startup_s["graph capture"] = time.perf_counter() - start
@@ -333,7 +377,13 @@ class ModelRunner:
         seq_lens = computed + num_sched
         max_blocks = int(-(-seq_lens.max() // bs))
         block_table = batch.block_table[rows, :max_blocks]
+        # A request samples only when this step reaches the end of its tokens.
+        sample_idx = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
+        feed_dst, feed_src = self._pending_feed_indices(req_ids, computed, cu)
 
+        # Every index the step needs on the device rides in this one pinned, non-blocking
+        # staging: a pageable or blocking copy here would wait for the previous step's kernels
+        # and leave the GPU idle while the host prepares the next step.
         staged = self._staging.stage(
             input_ids=input_ids,
             positions=positions,
@@ -341,6 +391,9 @@ class ModelRunner:
             query_start_loc=cu.astype(np.int32),
             seq_lens=seq_lens.astype(np.int32),
             block_table=block_table,
+            logits_idx=cu[1:][sample_idx] - 1,
+            feed_dst=feed_dst,
+            feed_src=feed_src,
         )
         metadata = AttentionMetadata(
             num_actual_tokens=total,
@@ -353,8 +406,18 @@ class ModelRunner:
             query_start_loc_cpu=torch.from_numpy(cu.astype(np.int32)),
             seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
         )
-        input_ids_t, positions_t = staged["input_ids"], staged["positions"]
-        return rows, cu, seq_lens, input_ids_t, positions_t, metadata
+        return StepInputs(
+            rows=rows,
+            cu=cu,
+            seq_lens=seq_lens,
+            sample_idx=sample_idx,
+            input_ids=staged["input_ids"],
+            positions=staged["positions"],
+            metadata=metadata,
+            logits_idx=staged["logits_idx"],
+            feed_dst=staged["feed_dst"] if len(feed_dst) else None,
+            feed_src=staged["feed_src"],
+        )
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> StepOutput:
@@ -369,22 +432,26 @@ class ModelRunner:
             return StepOutput(req_ids=[], sampled=None)
         batch = self.input_batch
         req_ids = list(so.num_scheduled_tokens)
-        rows, cu, seq_lens, input_ids, positions, metadata = self._prepare_inputs(so, req_ids)
-        self._feed_pending_tokens(req_ids, rows, cu, input_ids)
-        hidden = self._run_forward(input_ids, positions, metadata)
+        inputs = self._prepare_inputs(so, req_ids)
+        rows, cu, sample_idx = inputs.rows, inputs.cu, inputs.sample_idx
+        if inputs.feed_dst is not None:
+            # The previous step's sampled tokens, still on the device, become this step's
+            # inputs where this step computes them (a decode step's only token).
+            assert self._pending is not None
+            inputs.input_ids.index_copy_(
+                0, inputs.feed_dst, self._pending.device_ids.index_select(0, inputs.feed_src)
+            )
+        hidden = self._run_forward(inputs.input_ids, inputs.positions, inputs.metadata)
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, cu, hidden)
-        batch.num_computed_tokens[rows] = seq_lens
+        batch.num_computed_tokens[rows] = inputs.seq_lens
         # Penalties and min_tokens need the previous step's tokens on the host: by now the
         # device has long finished that step, so this wait costs nothing on a GPU.
         self._resolve_pending()
 
-        # A request samples only when this step reaches the end of its tokens.
-        sample_idx = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
         if not len(sample_idx):
             return StepOutput(req_ids=req_ids, sampled=None, prompt_logprobs=prompt_logprobs)
         sample_req_ids = [req_ids[i] for i in sample_idx]
-        logits_idx = torch.from_numpy(cu[1:][sample_idx] - 1).to(self.device)
-        logits = self.model.compute_logits(hidden[logits_idx])
+        logits = self.model.compute_logits(hidden[inputs.logits_idx])
         out = self.sampler(logits, self._sampling_metadata(sample_req_ids))
         pending = PendingTokens(
             req_ids=sample_req_ids,
@@ -415,29 +482,26 @@ class ModelRunner:
         with set_forward_context(metadata, self.attn_backend, layers):
             return self._forward(input_ids, positions)
 
-    def _feed_pending_tokens(
-        self, req_ids: list[str], rows: np.ndarray, cu: np.ndarray, input_ids: torch.Tensor
-    ) -> None:
-        """Write the previous step's sampled tokens, still on the device, into this step's
-        inputs where this step computes them (a decode step's only token)."""
+    def _pending_feed_indices(
+        self, req_ids: list[str], computed: np.ndarray, cu: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(positions in this step's input_ids, rows of the previous step's sampled tokens) for
+        each token the previous step sampled that this step consumes; `computed` holds each
+        scheduled request's num_computed_tokens before this step."""
         pending = self._pending
-        if pending is None:
-            return
-        index = {req_id: i for i, req_id in enumerate(req_ids)}
-        dst, src = [], []
-        computed = self.input_batch.num_computed_tokens[rows]
-        for j, (req_id, position) in enumerate(zip(pending.req_ids, pending.positions)):
-            i = index.get(req_id)
-            if i is None or req_id not in self.input_batch.req_id_to_row:
-                continue
-            offset = position - int(computed[i])
-            if 0 <= offset < cu[i + 1] - cu[i]:
-                dst.append(int(cu[i]) + offset)
-                src.append(j)
-        if dst:
-            dst_t = torch.tensor(dst, device=self.device)
-            src_t = torch.tensor(src, device=self.device)
-            input_ids[dst_t] = pending.device_ids[src_t]
+        dst: list[int] = []
+        src: list[int] = []
+        if pending is not None:
+            index = {req_id: i for i, req_id in enumerate(req_ids)}
+            for j, (req_id, position) in enumerate(zip(pending.req_ids, pending.positions)):
+                i = index.get(req_id)
+                if i is None or req_id not in self.input_batch.req_id_to_row:
+                    continue
+                offset = position - int(computed[i])
+                if 0 <= offset < cu[i + 1] - cu[i]:
+                    dst.append(int(cu[i]) + offset)
+                    src.append(j)
+        return np.array(dst, dtype=np.int64), np.array(src, dtype=np.int64)
 
     def _resolve_pending(self) -> None:
         """Move the previous step's sampled tokens into the host-side batch state."""

@@ -1,0 +1,65 @@
+"""A step launches without waiting for the device: with CUDA sync debugging set to "error",
+every host sync inside `execute_model` (a blocking or pageable copy, `.item()`, `nonzero`)
+raises. Such a sync makes the host wait for the previous step's kernels, so the GPU idles while
+the next step is prepared; async scheduling only pays off without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v1_engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a", "1, 2, 3,"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, default_tokenizer):
+    from hf_reference import make_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-llama-sync")
+    make_tiny_model("llama", path, default_tokenizer)
+    return path
+
+
+@pytest.mark.parametrize("level", [0, 2])
+def test_steps_launch_without_a_host_sync(model_dir, level):
+    llm = LLM(
+        str(model_dir),
+        dtype="bfloat16",
+        max_model_len=128,
+        num_kv_blocks=64,
+        max_num_seqs=8,
+        compilation_config=level,
+    )
+    runner = llm.engine_core.model_runner
+    assert llm.engine_core.async_scheduling
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(
+        temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, max_tokens=12, ignore_eos=True
+    )
+    llm.generate(PROMPTS, greedy, use_tqdm=False)  # warm-up: first-call work may sync
+
+    execute = runner.execute_model
+    calls = []
+
+    def checked(scheduler_output):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step = execute(scheduler_output)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        calls.append(scheduler_output.total_num_scheduled_tokens)
+        return step
+
+    runner.execute_model = checked
+    try:
+        for params in (greedy, sampled):
+            outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+            assert [len(o.outputs[0].token_ids) for o in outputs] == [12] * len(PROMPTS)
+    finally:
+        runner.execute_model = execute
+    # Both prefill steps and decode steps went through the check.
+    assert max(calls) > len(PROMPTS) and min(calls) <= len(PROMPTS)
