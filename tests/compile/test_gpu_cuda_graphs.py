@@ -131,6 +131,12 @@ def test_level2_replays_piecewise_and_decode_graphs(model_dir, expected):
 
 
 def test_default_model_level2_equals_eager_fp32():
+    from v1_engine.models.loader import resolve_model_path
+
+    try:
+        resolve_model_path(None)
+    except ValueError as e:
+        pytest.skip(f"default model weights unavailable: {e}")
     kwargs = {"dtype": "float32", "max_model_len": 512, "max_num_seqs": 8}
     eager = _greedy(LLM(enforce_eager=True, **kwargs), PROMPTS[:5], max_tokens=24)
     torch.cuda.empty_cache()
