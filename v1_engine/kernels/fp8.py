@@ -212,7 +212,9 @@ def check_block_scaled_mm_args(
 
 
 def _check_cuda_alignment(a: torch.Tensor, b: torch.Tensor, block_scaled: bool) -> None:
-    """Shape limits of the CUTLASS kernels (the references take any shape)."""
+    """Shape limits of the CUTLASS kernels (the references take any shape). Checked inside the
+    CUDA implementations of the ops, on real tensors: under torch.compile the wrappers see a
+    symbolic row count and fake tensors without data pointers."""
     k, n = a.shape[1], b.shape[0]
     if k % GEMM_ALIGNMENT or n % GEMM_ALIGNMENT:
         raise ValueError(f"K ({k}) and N ({n}) must be multiples of {GEMM_ALIGNMENT} on CUDA")
@@ -366,6 +368,7 @@ def _scaled_mm_cuda(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    _check_cuda_alignment(a, b, block_scaled=False)
     return scaled_mm_cutlass(a, b, scale_a, scale_b, out_dtype, bias)
 
 
@@ -396,8 +399,6 @@ def scaled_mm(
     On CUDA, K and N must be multiples of 16.
     """
     check_scaled_mm_args(a, b, scale_a, scale_b, out_dtype, bias)
-    if a.is_cuda:
-        _check_cuda_alignment(a, b, block_scaled=False)
     return torch.ops.v1_engine.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
 
 
@@ -420,6 +421,7 @@ def _block_scaled_mm_cuda(
     scale_b: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
+    _check_cuda_alignment(a, b, block_scaled=True)
     return block_scaled_mm_cutlass(a, b, scale_a, scale_b, out_dtype)
 
 
@@ -448,6 +450,4 @@ def block_scaled_mm(
     128x128 block). On CUDA, N must be a multiple of 16 and K of 128.
     """
     check_block_scaled_mm_args(a, b, scale_a, scale_b, out_dtype)
-    if a.is_cuda:
-        _check_cuda_alignment(a, b, block_scaled=True)
     return torch.ops.v1_engine.block_scaled_mm(a, b, scale_a, scale_b, out_dtype)
