@@ -82,11 +82,32 @@ def split_graph(
         else:
             partition_of[node] = partition
     split = split_module(gm, None, lambda n: partition_of[n], keep_original_order=True)
+    _check_piece_outputs(split)
     pieces, splitting = [], []
     for name, _ in split.named_children():
         index = int(name.removeprefix("submod_"))
         (splitting if index in splitting_partitions else pieces).append(name)
     return split, pieces, splitting
+
+
+def _check_piece_outputs(split: fx.GraphModule) -> None:
+    """Refuse a split where a piece hands a symbolic bool to a later one: Inductor cannot
+    compile a graph with such an output (on CUDA it fails deep inside lowering). It comes from
+    a Python comparison with the token count inside the forward (a shape check), which must
+    run in eager mode only."""
+    for name, piece in split.named_children():
+        for node in piece.graph.nodes:
+            if node.op != "output":
+                continue
+            outputs = node.args[0] if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
+            for out in outputs:
+                value = out.meta.get("example_value") if isinstance(out, fx.Node) else None
+                if isinstance(value, torch.SymBool):
+                    raise RuntimeError(  # noqa: TRY004 (a graph we cannot compile, not a type)
+                        f"compiled piece {name} passes the symbolic bool {value} ({out.name}) to "
+                        "a later piece: a comparison with the traced token count inside the "
+                        "forward; guard it with torch.compiler.is_compiling()"
+                    )
 
 
 class _PieceCompiler(fx.Interpreter):

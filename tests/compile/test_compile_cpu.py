@@ -131,3 +131,19 @@ def test_default_model_compiled_equals_eager():
     del compiled
     eager = LLM(max_model_len=256, num_kv_blocks=64)
     assert compiled_tokens == _greedy(eager, PROMPTS)
+
+
+def test_fp8_model_compiles_without_symbolic_bools_between_pieces(tiny_llama_dir):
+    """Online FP8 under -O1: the GEMM wrappers' scale checks compared the per-token scale's row
+    count with the traced token count, and that symbolic bool crossed into the next compiled
+    piece (Inductor on CUDA cannot compile it; split_graph now refuses it on every device). The
+    compiled FP8 model must trace and give the eager FP8 model's tokens."""
+    kwargs = {"dtype": "bfloat16", "quantization": "fp8", "max_model_len": 128}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = ["The capital of France is", "def f(x):"]
+    eager = LLM(str(tiny_llama_dir), **kwargs).generate(prompts, params, use_tqdm=False)
+    torch._dynamo.utils.counters.clear()
+    compiled = LLM(str(tiny_llama_dir), compilation_config=1, **kwargs)
+    got = compiled.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in eager]
+    assert compiled.engine_core.model_runner._forward.stats.num_traces == 1

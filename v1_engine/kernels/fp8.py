@@ -156,10 +156,23 @@ def _check_gemm_operands(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtyp
         raise ValueError(f"out_dtype must be one of {OUTPUT_DTYPES}, got {out_dtype}")
 
 
-def _check_scale(name: str, scale: torch.Tensor, allowed: tuple[int, ...], ref: torch.Tensor):
+def _tracing() -> bool:
+    """True under torch.compile. The number of tokens (a's rows) is then a traced symbol: a
+    comparison with it becomes a graph node (a symbolic bool) that Inductor cannot carry from
+    one compiled piece to the next, so checks that need it run in eager mode only."""
+    return torch.compiler.is_compiling()
+
+
+def _check_scale(
+    name: str,
+    scale: torch.Tensor,
+    allowed: tuple[int, ...],
+    ref: torch.Tensor,
+    check_numel: bool = True,
+):
     if scale.dtype != torch.float32:
         raise ValueError(f"{name} must be float32, got {scale.dtype}")
-    if scale.numel() not in allowed or scale.dim() > 2:
+    if (check_numel and scale.numel() not in allowed) or scale.dim() > 2:
         raise ValueError(
             f"{name} must hold one value or one per row/column ({allowed}), "
             f"got shape {tuple(scale.shape)}"
@@ -179,7 +192,10 @@ def check_scaled_mm_args(
     """Raises ValueError naming the argument that the per-tensor/per-channel GEMM cannot take."""
     _check_gemm_operands(a, b, out_dtype)
     m, n = a.shape[0], b.shape[0]
-    _check_scale("scale_a", scale_a, (1, m), a)
+    if _tracing():
+        _check_scale("scale_a", scale_a, (1,), a, check_numel=False)
+    else:
+        _check_scale("scale_a", scale_a, (1, m), a)
     _check_scale("scale_b", scale_b, (1, n), a)
     if bias is not None and (
         bias.shape != (n,) or bias.dtype != out_dtype or bias.device != a.device
@@ -202,7 +218,11 @@ def check_block_scaled_mm_args(
     (m, k), n = a.shape, b.shape[0]
     kb, nb = -(-k // BLOCK_SIZE), -(-n // BLOCK_SIZE)
     for name, scale, shape in (("scale_a", scale_a, (m, kb)), ("scale_b", scale_b, (nb, kb))):
-        if scale.dtype != torch.float32 or tuple(scale.shape) != shape:
+        if name == "scale_a" and _tracing():
+            shape_ok = scale.dim() == 2 and scale.shape[1] == kb
+        else:
+            shape_ok = tuple(scale.shape) == shape
+        if scale.dtype != torch.float32 or not shape_ok:
             raise ValueError(
                 f"{name} must be a float32 {list(shape)} tensor, got {scale.dtype} "
                 f"{list(scale.shape)}"

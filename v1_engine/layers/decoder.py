@@ -51,10 +51,6 @@ class CausalLMBase(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] (all requests of the step packed) → hidden states [T, H]."""
-        # Under torch.compile both lengths are unbacked symbols: stating their equality first
-        # lets the tracer use one symbol for every token dimension, instead of discovering it
-        # at some later op and carrying the comparison from one compiled piece to the next.
-        torch._check(positions.shape[0] == input_ids.shape[0])
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
