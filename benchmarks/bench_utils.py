@@ -113,7 +113,8 @@ class ModelShape:
 
 
 def cuda_time_ms(fn, warmup: int = 3, repeat: int = 10) -> float:
-    """Median milliseconds of fn() timed with CUDA events after warm-up."""
+    """Median milliseconds of fn() timed with CUDA events after warm-up, one call at a time from
+    an idle device: the host's launch work is included (graph_time_ms excludes it)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -124,6 +125,33 @@ def cuda_time_ms(fn, warmup: int = 3, repeat: int = 10) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def graph_time_ms(fn, calls: int = 20, repeat: int = 10) -> float:
+    """Median device milliseconds per call of fn(), `calls` launches captured in one CUDA graph
+    (how the engine's decode graphs run kernels: no host overhead between them). fn must be
+    capturable: no host syncs; its allocations come from the graph's pool."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
     return sorted(times)[len(times) // 2]
 
 
