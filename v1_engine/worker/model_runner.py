@@ -123,7 +123,10 @@ class ModelRunner:
         if cc.num_kv_blocks is not None:
             return cc.num_kv_blocks
         if self.device.type == "cuda":
-            return self._profile_num_kv_blocks()
+            start = time.perf_counter()
+            num_blocks = self._profile_num_kv_blocks()
+            self.startup_s["memory profiling"] = time.perf_counter() - start
+            return num_blocks
         budget = cc.cpu_kv_cache_bytes
         num_blocks = num_kv_blocks_for_budget(budget, per_block)
         if num_blocks * self.block_size < self.max_model_len:
