@@ -7,7 +7,8 @@
 # benchmarks, which append their tables to benchmarks/RESULTS.md. Logs and a short summary go to
 # $OUT (the device tool's output folder) or benchmarks/logs/.
 # Knobs: BENCH_MODEL (a folder of benchmarks/configs, default llama3-8b), LATENCY_ARGS,
-# THROUGHPUT_ARGS (extra flags), SUITE_STAGES (any of: tests latency throughput).
+# THROUGHPUT_ARGS (extra flags), SUITE_STAGES (any of: tests latency throughput startup fp8
+# deepseek; default the first three).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=${OUT:-benchmarks/logs}
@@ -63,6 +64,26 @@ if [[ " $STAGES " == *" throughput "* ]]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   { echo; echo "## throughput"; grep -E "^\||lower bound|speed-up" "$LOG_DIR/throughput.log"; } \
     >> "$summary"
+fi
+if [[ " $STAGES " == *" startup "* ]]; then
+  python3 benchmarks/startup.py --model "$MODEL" --append 2>&1 | tee "$LOG_DIR/startup.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  { echo; echo "## startup"; grep -E "^\|" "$LOG_DIR/startup.log"; } >> "$summary"
+fi
+if [[ " $STAGES " == *" fp8 "* ]]; then
+  # End to end: the same model with online FP8 weights (compare with the bf16 latency table).
+  python3 benchmarks/latency.py --model "$MODEL" --quantization fp8 --batch-sizes 1,64 \
+    --prefill-lens 4096 --append 2>&1 | tee "$LOG_DIR/latency_fp8.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  python3 benchmarks/benchmark_fp8_gemm.py --markdown 2>&1 | tee "$LOG_DIR/fp8_gemm.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  { echo; echo "## fp8"; grep -E "^\| [0-9]" "$LOG_DIR/latency_fp8.log"
+    grep -E "^- " "$LOG_DIR/fp8_gemm.log"; } >> "$summary"
+fi
+if [[ " $STAGES " == *" deepseek "* ]]; then
+  python3 benchmarks/benchmark_deepseek.py --markdown --append 2>&1 | tee "$LOG_DIR/deepseek.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  { echo; echo "## deepseek"; grep -E "^\|" "$LOG_DIR/deepseek.log"; } >> "$summary"
 fi
 cp benchmarks/RESULTS.md "$LOG_DIR/RESULTS.md" 2>/dev/null
 cat "$summary"
