@@ -35,6 +35,42 @@ _STACKED_PARAMS = (
 )
 
 
+_KV_SCALE_SUFFIXES = (
+    (".self_attn.k_scale", ("k_scale",)),
+    (".self_attn.v_scale", ("v_scale",)),
+    (".self_attn.k_proj.output_scale", ("k_scale",)),
+    (".self_attn.v_proj.output_scale", ("v_scale",)),
+    (".self_attn.kv_scale", ("k_scale", "v_scale")),
+)
+"""Checkpoint names of the per-layer FP8 KV-cache scales (quantizers that calibrate the cache
+write them; the last is an older single scale for both) and the Attention buffers they set."""
+
+_IGNORED_ATTENTION_SCALES = (".self_attn.q_scale", ".self_attn.prob_scale")
+"""FP8 attention-math scales some checkpoints carry; attention here runs in 16/32-bit."""
+
+
+def kv_scale_targets(name: str) -> list[str]:
+    """The Attention buffer names a checkpoint's KV-cache scale `name` sets (empty: not one)."""
+    for suffix, buffers in _KV_SCALE_SUFFIXES:
+        if name.endswith(suffix):
+            layer = name[: -len(suffix)]
+            return [f"{layer}.self_attn.attn.{buffer}" for buffer in buffers]
+    return []
+
+
+def load_kv_scale(buffer: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
+    """Copy a per-layer KV-cache scale (one positive finite value) into its buffer."""
+    if tensor.numel() != 1:
+        raise ValueError(
+            f"checkpoint weight {name!r} holds {tensor.numel()} KV-cache scales; only one "
+            "scale per layer (a scalar) is supported"
+        )
+    value = float(tensor.float().reshape(()))
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"checkpoint weight {name!r} must be a positive finite scale, got {value}")
+    buffer.fill_(value)
+
+
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -151,10 +187,21 @@ class LlamaForCausalLM(CausalLMBase):
         """Load checkpoint tensors by their Hugging Face names; returns the parameter names
         loaded. Raises ValueError on an unknown name or a parameter left unloaded."""
         params = dict(self.named_parameters())
+        buffers = dict(self.named_buffers())
         loaded_shards: dict[str, set[int | str | None]] = {}
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # a derived buffer some old checkpoints carry
+            if name.endswith(_IGNORED_ATTENTION_SCALES):
+                continue
+            targets = kv_scale_targets(name)
+            if targets:
+                # Read by an fp8 KV cache (kv_cache_dtype="fp8"); a 16-bit cache ignores them.
+                for target in targets:
+                    if target not in buffers:
+                        raise ValueError(f"checkpoint weight {name!r} names no attention layer")
+                    load_kv_scale(buffers[target], name, tensor)
+                continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             param_name, shard_id = _fused_name(name)
