@@ -16,6 +16,7 @@ graphs remove in serving, is not measured), rotating through enough weight copie
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from collections.abc import Callable
@@ -25,6 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_utils
 
 from v1_engine.kernels import fp8, fp8_cutlass
 
@@ -110,29 +114,12 @@ def block_fn(case: Case) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def graph_time_ms(fn: Callable, weights: list[torch.Tensor], calls: int, repeat: int) -> float:
-    """Median ms per call of fn over `calls` launches captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in weights:
-            fn(w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(weights[i % len(weights)])
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    del graph
-    return sorted(times)[len(times) // 2]
+    """Median ms per call of fn over `calls` launches captured in one CUDA graph, each launch on
+    the next of the weight copies (so no launch finds its weight in L2)."""
+    turn = itertools.count()
+    return bench_utils.graph_time_ms(
+        lambda: fn(weights[next(turn) % len(weights)]), calls=calls, repeat=repeat
+    )
 
 
 def check_against_cublas(case: Case, cublas: Callable, fns: dict[str, Callable]) -> None:
