@@ -8,7 +8,7 @@
 # $OUT (the device tool's output folder) or benchmarks/logs/.
 # Knobs: BENCH_MODEL (a folder of benchmarks/configs, default llama3-8b), LATENCY_ARGS,
 # THROUGHPUT_ARGS (extra flags), SUITE_STAGES (any of: tests latency throughput startup fp8
-# deepseek; default the first three).
+# deepseek profile; default the first three).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=${OUT:-benchmarks/logs}
@@ -84,6 +84,12 @@ if [[ " $STAGES " == *" deepseek "* ]]; then
   python3 benchmarks/benchmark_deepseek.py --markdown --append 2>&1 | tee "$LOG_DIR/deepseek.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   { echo; echo "## deepseek"; grep -E "^\|" "$LOG_DIR/deepseek.log"; } >> "$summary"
+fi
+if [[ " $STAGES " == *" profile "* ]]; then
+  python3 benchmarks/profile_decode.py --model "$MODEL" --out-dir "$LOG_DIR/profile" 2>&1 \
+    | tee "$LOG_DIR/profile.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  { echo; echo "## decode profile"; grep -E "^batch" "$LOG_DIR/profile.log"; } >> "$summary"
 fi
 cp benchmarks/RESULTS.md "$LOG_DIR/RESULTS.md" 2>/dev/null
 cat "$summary"
