@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
+from tqdm import tqdm
 
 from compile.cuda_graphs import GraphedPiece, PiecewiseState
 
@@ -115,11 +116,17 @@ class _PieceCompiler(fx.Interpreter):
     Inductor on the fake arguments it actually receives, and swapping it in place."""
 
     def __init__(
-        self, module: fx.GraphModule, pieces: set[str], compile_piece: Callable[..., Any]
+        self,
+        module: fx.GraphModule,
+        pieces: set[str],
+        compile_piece: Callable[..., Any],
+        progress: Any = None,
     ) -> None:
         super().__init__(module)
         self.pieces = pieces
         self.compile_piece = compile_piece
+        self.progress = progress
+        """A tqdm bar advanced once per compiled piece (None: no progress display)."""
 
     def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
         output = super().call_module(target, args, kwargs)
@@ -127,6 +134,8 @@ class _PieceCompiler(fx.Interpreter):
             submodule = getattr(self.module, target)
             compiled = self.compile_piece(submodule, list(args))
             setattr(self.module, target, _CompiledPiece(compiled))
+            if self.progress is not None:
+                self.progress.update(1)
         return output
 
 
@@ -203,7 +212,8 @@ class PiecewiseBackend:
             def compile_piece(gm: fx.GraphModule, inputs: list[Any]) -> Any:
                 return GraphedPiece(compile_fx(gm, inputs), state)
 
-        interpreter = _PieceCompiler(split, set(pieces), compile_piece)
-        with fake_mode:
-            interpreter.run(*fake_inputs)
+        with tqdm(total=len(pieces), desc="Compiling with Inductor", unit="piece") as progress:
+            interpreter = _PieceCompiler(split, set(pieces), compile_piece, progress)
+            with fake_mode:
+                interpreter.run(*fake_inputs)
         self.stats.inductor_s += time.perf_counter() - start

@@ -147,3 +147,11 @@ def test_fp8_model_compiles_without_symbolic_bools_between_pieces(tiny_llama_dir
     got = compiled.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in eager]
     assert compiled.engine_core.model_runner._forward.stats.num_traces == 1
+
+
+def test_compilation_shows_progress_per_piece(tiny_llama_dir, capfd):
+    """Compiling is long work: a tqdm bar counts the Inductor pieces (layers + 1)."""
+    llm = LLM(str(tiny_llama_dir), max_model_len=128, num_kv_blocks=32, compilation_config=1)
+    pieces = llm.engine_core.model_runner._forward.stats.num_pieces
+    err = capfd.readouterr().err
+    assert "Compiling with Inductor" in err and f"{pieces}/{pieces}" in err
