@@ -300,6 +300,7 @@ def paged_attention(
     num_splits: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    launch: dict[str, int] | None = None,
 ) -> None:
     """Causal attention of query [T, Hq, D] over the paged cache, written into output [T, Hq, D].
 
@@ -309,6 +310,7 @@ def paged_attention(
     query_start_loc [R+1] int32, all on query's device. `num_splits` forces the split-KV factor
     (None picks it from the shape). A float8_e4m3fn cache holds K / k_scale and V / v_scale
     (float32 [1] tensors, required then); a cache in the query's dtype ignores the scales.
+    `launch` overrides the launch configuration (keys tile, num_warps, num_stages; tuning).
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -328,6 +330,14 @@ def paged_attention(
     group_pad = triton.next_power_of_2(group)
     head_pad = max(16, triton.next_power_of_2(head_size))
     block_m, tile, num_warps = _launch_config(query.dtype, head_pad, group_pad, max_query_len)
+    num_stages = 2
+    if launch:
+        unknown = set(launch) - {"tile", "num_warps", "num_stages"}
+        if unknown:
+            raise ValueError(f"launch keys must be tile, num_warps, num_stages; got {unknown}")
+        tile = launch.get("tile", tile)
+        num_warps = launch.get("num_warps", num_warps)
+        num_stages = launch.get("num_stages", num_stages)
     block_q = block_m // group_pad
     num_q_blocks = num_tokens // block_q + num_reqs
     if num_splits is None:
@@ -389,7 +399,7 @@ def paged_attention(
         DOT_F32=dot_f32,
         KV_FP8=kv_fp8,
         num_warps=num_warps,
-        num_stages=2,
+        num_stages=num_stages,
     )
     if use_splits:
         _merge_splits_kernel[(num_tokens, num_heads)](

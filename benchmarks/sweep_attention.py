@@ -1,0 +1,107 @@
+"""Launch-configuration sweep of the paged decode attention kernel (kernels/triton_attention.py).
+
+Times one decode step of attention (one query token per request) over a paged bf16 cache for
+every combination of cached tokens per loop step, warps, pipeline stages and split-KV factor, and
+prints the fastest as achieved bandwidth on the K/V bytes the kernel must read. The shape is the
+Llama-3-8B one by default (32 query heads, 8 KV heads, head size 128, block size 16).
+`_launch_config` in triton_attention.py is set from this.
+
+    python benchmarks/sweep_attention.py --cases 64x1024,1x128,1x4096,256x1024 --seconds 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.runtime.errors import OutOfResources
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_utils import HBM_BYTES_PER_S
+
+from v1_engine.kernels.triton_attention import paged_attention
+
+
+def sweep(
+    batch: int, context: int, heads: int, kv_heads: int, head: int, block: int, seconds: float
+) -> None:
+    blocks_per_req = -(-context // block)
+    num_blocks = batch * blocks_per_req
+    cache = torch.randn(2, num_blocks, block, kv_heads, head, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).reshape(batch, -1)
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    starts = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    query = torch.randn(batch, heads, head, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(query)
+    nbytes = batch * context * kv_heads * head * 2 * 2
+
+    def time_us(**kwargs) -> float:
+        def run() -> None:
+            paged_attention(
+                query, cache, table, lens, starts, 1, context, head**-0.5, out, **kwargs
+            )
+
+        # Inside a CUDA graph, as in serving (host launch work excluded).
+        run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(10):
+                run()
+        return triton.testing.do_bench(graph.replay, warmup=5, rep=30) * 1e3 / 10
+
+    default_us = time_us()
+    results = [(default_us, "default", {})]
+    space = itertools.product((64, 32, 128, 16), (4, 8, 2), (2, 3, 1, 4), (None, 1, 2, 4, 8))
+    start = time.perf_counter()
+    for tile, warps, stages, splits in space:
+        if time.perf_counter() - start > seconds:
+            break
+        launch = {"tile": tile, "num_warps": warps, "num_stages": stages}
+        try:
+            results.append((time_us(num_splits=splits, launch=launch), "", launch | {"s": splits}))
+        except OutOfResources:
+            continue
+    results.sort(key=lambda r: r[0])
+    print(f"batch {batch} x context {context} ({nbytes / 1e6:.0f} MB of K/V):", flush=True)
+    for us, tag, launch in results[:6]:
+        rate = nbytes / (us * 1e-6)
+        print(
+            f"  {us:8.1f} us {rate / 1e12:.2f} TB/s ({rate / HBM_BYTES_PER_S:.0%}) {tag} {launch}",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="64x1024,1x128,1x4096,256x1024", help="batch x context")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=40.0, help="budget per case")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_attention.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    for case in args.cases.split(","):
+        batch, context = (int(x) for x in case.split("x"))
+        sweep(
+            batch,
+            context,
+            args.heads,
+            args.kv_heads,
+            args.head_size,
+            args.block_size,
+            args.seconds,
+        )
+
+
+if __name__ == "__main__":
+    main()
