@@ -4,9 +4,10 @@ Builds the engine on a benchmark config with dummy weights, then for each batch 
 ms/step (as latency.py measures it), the GPU kernel time per step from a profiler trace of
 `--steps` decode steps (a gap between the two is time the GPU waits for the host), the top
 kernels by GPU time, and the top host functions by self time. Tables and a Chrome trace per
-batch size go to --out-dir.
+batch size go to --out-dir. `--prefill-len N` also profiles one N-token prefill step.
 
     python benchmarks/profile_decode.py --model llama3-8b --batch-sizes 1,64 --out-dir /tmp/prof
+    python benchmarks/profile_decode.py --quantization fp8 --batch-sizes 1 --prefill-len 4096
 """
 
 from __future__ import annotations
@@ -67,6 +68,21 @@ def profile_batch(llm: LLM, batch: int, args, vocab: int, out_dir: Path) -> None
     )
 
 
+def profile_prefill(llm: LLM, tokens: int, vocab: int, out_dir: Path) -> None:
+    timed_generate(llm, random_prompts(1, tokens, vocab, 6), 1)  # warm-up
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall_s = timed_generate(llm, random_prompts(1, tokens, vocab, 7), 1)
+    table = prof.key_averages().table(
+        sort_by="self_device_time_total", row_limit=40, max_name_column_width=70
+    )
+    (out_dir / f"kernels_prefill{tokens}.txt").write_text(table)
+    print(
+        f"prefill {tokens}: wall {wall_s * 1e3:.1f} ms; GPU kernels {gpu_kernel_ms(prof):.1f} ms "
+        f"(see kernels_prefill{tokens}.txt)",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3-8b", help="a folder of benchmarks/configs")
@@ -74,6 +90,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--compilation-level", type=int, default=2)
+    parser.add_argument("--quantization", default=None, choices=("fp8",))
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: just enough")
+    parser.add_argument("--prefill-len", type=int, default=0, help="also profile this prefill")
     parser.add_argument("--out-dir", default="benchmarks/logs/profile")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -82,18 +101,23 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     shape = ModelShape.from_config(args.model)
-    path, _ = model_dir(args.model, min_positions=args.input_len + args.steps + 64)
+    max_len = args.max_model_len or max(args.input_len + args.steps, args.prefill_len) + 64
+    path, _ = model_dir(args.model, min_positions=max_len)
     llm = LLM(
         model=path,
         load_format="dummy",
         dtype="bfloat16",
-        max_model_len=args.input_len + args.steps + 64,
+        quantization=args.quantization,
+        max_model_len=max_len,
+        max_num_batched_tokens=max(max_len, 8192),
         max_num_seqs=max(batch_sizes),
         enable_prefix_caching=False,
         compilation_config=args.compilation_level,
     )
     for batch in batch_sizes:
         profile_batch(llm, batch, args, shape.vocab, out_dir)
+    if args.prefill_len:
+        profile_prefill(llm, args.prefill_len, shape.vocab, out_dir)
 
 
 if __name__ == "__main__":

@@ -488,12 +488,19 @@ def test_fp8_on_cuda_tracks_bfloat16(scheme, tmp_path):
 
 
 @pytest.mark.gpu
-def test_fp8_model_compiled_with_graphs_on_cuda_follows_eager(tmp_path):
+def test_fp8_model_compiled_with_graphs_on_cuda_follows_eager(tmp_path, default_tokenizer):
     """Online FP8 at -O2 (torch.compile + piecewise and decode CUDA graphs) on CUDA: the CUTLASS
     and Triton ops trace and capture, and greedy tokens follow the eager FP8 model's."""
     from v1_engine import LLM, SamplingParams
 
-    save_scaled_tiny_llama(tmp_path, hidden_size=256, intermediate_size=384, head_dim=64)
+    save_scaled_tiny_llama(
+        tmp_path,
+        hidden_size=256,
+        intermediate_size=384,
+        head_dim=64,
+        vocab_size=len(default_tokenizer),
+        tokenizer=default_tokenizer,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [PROMPT, PROMPT[:3], PROMPT[1:]]
     kwargs = {"dtype": "bfloat16", "quantization": "fp8", "max_model_len": 128, "num_kv_blocks": 64}
