@@ -15,15 +15,18 @@ if TYPE_CHECKING:
 
 
 def build_compiled_forward(
-    model: nn.Module, config: CompilationConfig, cudagraphs: bool = False
+    model: nn.Module,
+    config: CompilationConfig,
+    cudagraphs: bool = False,
+    device_type: str = "cpu",
 ) -> CompiledForward:
-    """The model's forward behind the piecewise backend with the configured fusion passes;
-    `cudagraphs` makes its pieces capturable (piecewise CUDA graphs).
+    """The model's forward behind the piecewise backend with the fusion passes configured for
+    `device_type`; `cudagraphs` makes its pieces capturable (piecewise CUDA graphs).
 
     Imported lazily by the model runner so an eager engine never loads torch.compile."""
     from compile.backend import SPLITTING_OPS
     from compile.compiled_forward import CompiledForward
     from compile.passes import FUSION_PASSES
 
-    passes = [(name, FUSION_PASSES[name]) for name in config.fusion_passes]
+    passes = [(name, FUSION_PASSES[name]) for name in config.effective_fusion_passes(device_type)]
     return CompiledForward(model, SPLITTING_OPS, passes, cudagraphs=cudagraphs)

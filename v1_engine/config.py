@@ -161,8 +161,10 @@ class CompilationConfig:
     max_cudagraph_capture_size: int = 512
     """Largest batch a CUDA graph is captured for (capped by max_num_seqs for decode graphs, by
     max_num_batched_tokens for piecewise graphs)."""
-    fusion_passes: list[str] = field(default_factory=list)
-    """Graph rewrites applied before Inductor, from FUSION_PASSES."""
+    fusion_passes: list[str] | None = None
+    """Graph rewrites applied before Inductor, from FUSION_PASSES. None picks every pass on
+    CUDA (each fused op runs one Triton kernel there; the FP8 ones match only FP8 models) and
+    none on the CPU (where the fused ops would run their unfused references)."""
     piecewise_cudagraphs: bool = True
     """Capture piecewise CUDA graphs (level >= 1 on CUDA) for steps of up to the largest capture
     size in tokens that are not uniform decode steps (prefills, mixed batches): the compiled
@@ -192,6 +194,12 @@ class CompilationConfig:
                 f"unknown compilation_config keys {unknown}; allowed: {', '.join(sorted(allowed))}"
             )
         return cls(**value)
+
+    def effective_fusion_passes(self, device_type: str = "cpu") -> list[str]:
+        """The fusion passes applied on `device_type`, in FUSION_PASSES order when derived."""
+        if self.fusion_passes is not None:
+            return list(self.fusion_passes)
+        return list(FUSION_PASSES) if device_type == "cuda" else []
 
     def effective_level(self, device_type: str = "cpu") -> int:
         """The level the model runner applies on `device_type`: 0 when enforce_eager is set."""
@@ -224,7 +232,7 @@ class CompilationConfig:
         sizes = self.cudagraph_capture_sizes
         if sizes is not None and any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"cudagraph_capture_sizes must be positive ints, got {sizes!r}")
-        unknown = [p for p in self.fusion_passes if p not in FUSION_PASSES]
+        unknown = [p for p in self.fusion_passes or () if p not in FUSION_PASSES]
         if unknown:
             raise ValueError(f"fusion_passes must be among {FUSION_PASSES}, got {unknown}")
 

@@ -1,9 +1,9 @@
 """The fused ops the fusion passes rewrite patterns into.
 
 Each is an opaque custom op with a PyTorch reference body that computes exactly what the
-unfused pattern computes (same operations, same order, so results are bit-identical). Device
-kernels can be registered on these ops (`register_kernel("cuda")`) without touching the passes,
-as fused_quant_ops.py does for the FP8 quant fusions built on the references here.
+unfused pattern computes (same operations, same order, so results are bit-identical). On CUDA
+the Triton kernels of kernels/triton_fused.py run instead (one kernel each), as fused_quant_ops.py
+does for the FP8 quant fusions built on the references here.
 """
 
 from __future__ import annotations
@@ -30,6 +30,12 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rmsnorm(x + residual), x + residual), the norm computed in float32."""
+    return fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     summed = x + residual
     return rms_norm_ref(summed, weight, eps), summed
 
@@ -52,3 +58,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @silu_and_mul.register_fake
 def _silu_and_mul_fake(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def _triton():
+    """The Triton kernels, imported on first CUDA use so CPU imports never need triton."""
+    from v1_engine.kernels import triton_fused
+
+    return triton_fused
+
+
+@fused_add_rms_norm.register_kernel("cuda")
+def _(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual.dtype != x.dtype:  # the kernel reads both in one dtype
+        return fused_add_rms_norm_ref(x, residual, weight, eps)
+    return _triton().add_rms_norm(x, residual, weight, eps)
+
+
+@silu_and_mul.register_kernel("cuda")
+def _(x: torch.Tensor) -> torch.Tensor:
+    return _triton().silu_and_mul(x)

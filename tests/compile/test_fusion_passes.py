@@ -107,3 +107,15 @@ def test_passes_on_tiny_llama_forward(tiny_llama_dir):
             assert torch.equal(forward(input_ids, positions), model(input_ids, positions))
     assert forward.stats.pass_matches == {"add_rms_norm": 2 * layers, "silu_and_mul": layers}
     assert forward.stats.num_traces == 1
+
+
+def test_fusion_passes_default_by_device():
+    """Unset: every pass on CUDA (one Triton kernel per fused op), none on the CPU; an explicit
+    list (even empty) wins everywhere."""
+    from v1_engine.config import FUSION_PASSES, CompilationConfig
+
+    assert CompilationConfig().effective_fusion_passes("cuda") == list(FUSION_PASSES)
+    assert CompilationConfig().effective_fusion_passes("cpu") == []
+    assert CompilationConfig(fusion_passes=[]).effective_fusion_passes("cuda") == []
+    chosen = CompilationConfig(fusion_passes=["silu_and_mul"])
+    assert chosen.effective_fusion_passes("cuda") == ["silu_and_mul"]

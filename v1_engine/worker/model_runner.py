@@ -277,7 +277,11 @@ class ModelRunner:
         from compile.cache import use_compile_cache
 
         use_compile_cache(self._compile_cache_parts())
-        compiled = build_compiled_forward(self.model, cc, cudagraphs=bool(self._cudagraph_sizes))
+        compiled = build_compiled_forward(
+            self.model, cc, cudagraphs=bool(self._cudagraph_sizes), device_type=self.device.type
+        )
+        if compiled.backend.passes:
+            logger.info("fusion passes: %s", ", ".join(n for n, _ in compiled.backend.passes))
         num_tokens = min(16, self.config.scheduler_config.max_num_batched_tokens)
         with torch.inference_mode():
             # Created like a step's inputs (inference tensors): Dynamo guards on it.
@@ -299,6 +303,10 @@ class ModelRunner:
             "model": self.hf_config.to_dict(),
             "dtype": str(self.dtype),
             "compilation": dataclasses.asdict(self.config.compilation_config),
+            "fusion_passes": self.config.compilation_config.effective_fusion_passes(
+                self.device.type
+            ),
+            "quantization": self.config.model_config.quantization,
             "max_num_batched_tokens": self.config.scheduler_config.max_num_batched_tokens,
             "device": device,
         }
