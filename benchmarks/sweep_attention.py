@@ -7,6 +7,7 @@ Llama-3-8B one by default (32 query heads, 8 KV heads, head size 128, block size
 `_launch_config` in triton_attention.py is set from this.
 
     python benchmarks/sweep_attention.py --cases 64x1024,1x128,1x4096,256x1024 --seconds 40
+    python benchmarks/sweep_attention.py --cases "" --prefill 4096 --seconds 60
 """
 
 from __future__ import annotations
@@ -27,6 +28,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_utils import HBM_BYTES_PER_S
 
 from v1_engine.kernels.triton_attention import paged_attention
+
+
+def sweep_prefill(tokens: int, heads: int, kv_heads: int, head: int, block: int, seconds: float):
+    """One causal prefill of `tokens` tokens (no cached context), as TFLOP/s."""
+    num_blocks = -(-tokens // block)
+    cache = torch.randn(2, num_blocks, block, kv_heads, head, device="cuda", dtype=torch.bfloat16)
+    table = torch.arange(num_blocks, device="cuda", dtype=torch.int32).reshape(1, -1)
+    lens = torch.tensor([tokens], device="cuda", dtype=torch.int32)
+    starts = torch.tensor([0, tokens], device="cuda", dtype=torch.int32)
+    query = torch.randn(tokens, heads, head, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(query)
+    flops = 4 * heads * head * tokens * (tokens + 1) / 2
+
+    def time_us(**kwargs) -> float:
+        def run() -> None:
+            paged_attention(
+                query, cache, table, lens, starts, tokens, tokens, head**-0.5, out, **kwargs
+            )
+
+        return triton.testing.do_bench(run, warmup=3, rep=30) * 1e3
+
+    results = [(time_us(), "default", {})]
+    space = itertools.product((128, 64), (64, 32, 128), (8, 4), (2, 3, 1, 4))
+    start = time.perf_counter()
+    for block_m, tile, warps, stages in space:
+        if time.perf_counter() - start > seconds:
+            break
+        launch = {"block_m": block_m, "tile": tile, "num_warps": warps, "num_stages": stages}
+        try:
+            results.append((time_us(launch=launch), "", launch))
+        except OutOfResources:
+            continue
+    results.sort(key=lambda r: r[0])
+    print(f"prefill {tokens} tokens ({flops / 1e9:.0f} GFLOP):", flush=True)
+    for us, tag, launch in results[:6]:
+        print(f"  {us:8.1f} us {flops / us / 1e6:.0f} TFLOP/s {tag} {launch}", flush=True)
 
 
 def sweep(
@@ -81,6 +118,7 @@ def sweep(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="64x1024,1x128,1x4096,256x1024", help="batch x context")
+    parser.add_argument("--prefill", default="", help="comma-separated prefill lengths")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-size", type=int, default=128)
@@ -90,7 +128,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("sweep_attention.py needs a CUDA GPU")
     torch.manual_seed(0)
-    for case in args.cases.split(","):
+    for tokens in (int(t) for t in args.prefill.split(",") if t):
+        sweep_prefill(
+            tokens, args.heads, args.kv_heads, args.head_size, args.block_size, args.seconds
+        )
+    for case in (c for c in args.cases.split(",") if c):
         batch, context = (int(x) for x in case.split("x"))
         sweep(
             batch,

@@ -62,6 +62,72 @@ def _find_request(query_start_loc_ptr, q_block_id, num_reqs, BLOCK_Q: tl.constex
     return lo - 1
 
 
+@triton.jit
+def _attend_tiles(
+    m_i,
+    l_i,
+    acc,
+    q,
+    q_pos,
+    tile_lo,
+    tile_hi,
+    kv_len,
+    table_row,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_head,
+    dims,
+    dim_valid,
+    scale_log2,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
+    """Online softmax over key tiles [tile_lo, tile_hi); MASKED applies the causal and
+    end-of-sequence masks (off for tiles every row sees whole)."""
+    offs_t = tl.arange(0, TILE)
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * TILE + offs_t
+        if MASKED:
+            pos_valid = pos < kv_len
+            block_id = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0)
+        else:
+            block_id = tl.load(table_row + pos // BLOCK_SIZE)
+        block_id = block_id.to(tl.int64)
+        kv_off = block_id * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        if MASKED:
+            k_mask = pos_valid[None, :] & dim_valid[:, None]
+            k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None], mask=k_mask, other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None], mask=dim_valid[:, None])
+        if DOT_F32 or KV_FP8:
+            k = k.to(q.dtype)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        if MASKED:
+            visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            kv_mask = pos_valid[:, None] & dim_valid[None, :]
+            v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        else:
+            v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=dim_valid[None, :])
+        if DOT_F32 or KV_FP8:
+            v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 # Per-step counts are not specialised on (Triton would compile a variant for a value of 1 and for
 # multiples of 16): a new batch size must never stall a running engine on a compile.
 @triton.jit(do_not_specialize=["num_reqs", "num_splits"])
@@ -153,30 +219,22 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    offs_t = tl.arange(0, TILE)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    for tile in range(tile_lo, tile_hi):
-        pos = tile * TILE + offs_t
-        pos_valid = pos < kv_len
-        block_id = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
-        kv_off = block_id * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        kv_mask = pos_valid[:, None] & dim_valid[None, :]
-        k_mask = pos_valid[None, :] & dim_valid[:, None]
-        k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None], mask=k_mask, other=0.0)
-        if DOT_F32 or KV_FP8:
-            k = k.to(q.dtype)
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-        visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if DOT_F32 or KV_FP8:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Tiles wholly at or before the block's first query position need no mask (every row sees
+    # every key there, all valid); only the tiles on the causal diagonal and the sequence's end
+    # pay for it.
+    first_pos = context_len + local_block * BLOCK_Q
+    full_hi = tl.maximum(tl.minimum((first_pos + 1) // TILE, tile_hi), tile_lo)
+    m_i, l_i, acc = _attend_tiles(
+        m_i, l_i, acc, q, q_pos, tile_lo, full_hi, kv_len, table_row, k_cache_ptr, v_cache_ptr,
+        kv_head, dims, dim_valid, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE,
+        False, DOT_PRECISION, DOT_F32, KV_FP8,
+    )  # fmt: skip
+    m_i, l_i, acc = _attend_tiles(
+        m_i, l_i, acc, q, q_pos, full_hi, tile_hi, kv_len, table_row, k_cache_ptr, v_cache_ptr,
+        kv_head, dims, dim_valid, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE,
+        True, DOT_PRECISION, DOT_F32, KV_FP8,
+    )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     result = acc / l_safe[:, None]
@@ -310,7 +368,8 @@ def paged_attention(
     query_start_loc [R+1] int32, all on query's device. `num_splits` forces the split-KV factor
     (None picks it from the shape). A float8_e4m3fn cache holds K / k_scale and V / v_scale
     (float32 [1] tensors, required then); a cache in the query's dtype ignores the scales.
-    `launch` overrides the launch configuration (keys tile, num_warps, num_stages; tuning).
+    `launch` overrides the launch configuration (keys block_m, tile, num_warps, num_stages;
+    tuning).
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -332,9 +391,12 @@ def paged_attention(
     block_m, tile, num_warps = _launch_config(query.dtype, head_pad, group_pad, max_query_len)
     num_stages = 2
     if launch:
-        unknown = set(launch) - {"tile", "num_warps", "num_stages"}
+        unknown = set(launch) - {"block_m", "tile", "num_warps", "num_stages"}
         if unknown:
-            raise ValueError(f"launch keys must be tile, num_warps, num_stages; got {unknown}")
+            raise ValueError(
+                f"launch keys must be block_m, tile, num_warps, num_stages; got {unknown}"
+            )
+        block_m = max(launch.get("block_m", block_m), group_pad)
         tile = launch.get("tile", tile)
         num_warps = launch.get("num_warps", num_warps)
         num_stages = launch.get("num_stages", num_stages)
