@@ -340,8 +340,8 @@ def _launch_config(
         block_m = max(16, group_pad * min(max_query_len, 4))
         block_m = 1 << (block_m - 1).bit_length()
         return block_m, 64 if wide else 32, 4
-    if wide:
-        return max(128, group_pad), 64, 8
+    if wide:  # prefill 4k on the H200: 64 x 64 with 4 warps 313 TFLOP/s, 128 x 64 with 8: 293
+        return max(64, group_pad), 64, 4
     return max(64, group_pad), 32, 4
 
 

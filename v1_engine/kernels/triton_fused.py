@@ -104,7 +104,7 @@ def add_rms_norm(
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if num_rows == 0 or row_len == 0:
         return out, residual_out
-    block = min(triton.next_power_of_2(max(row_len, 16)), 2 * MAX_BLOCK)
+    block = min(triton.next_power_of_2(max(row_len, 16)), MAX_BLOCK)
     _add_rms_norm_kernel[(num_rows,)](
         rows,
         res_rows,

@@ -26,8 +26,10 @@ import triton.language as tl
 from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 from v1_engine.kernels.triton_quant import _round_to_e4m3
 
-MAX_BLOCK = 4096
-"""Widest chunk of a row one loop iteration loads (registers stay bounded for long rows)."""
+MAX_BLOCK = 16384
+"""Widest chunk of a row one loop iteration loads (registers stay bounded for long rows). Rows
+up to 16k (the MLP width of 8B-70B models) take one chunk: a decode step has one row per token,
+and a program walking its row chunk by chunk, twice, is pure latency there."""
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -203,7 +205,7 @@ def _block_for(length: int) -> int:
 
 
 def _num_warps(block: int) -> int:
-    return 1 if block <= 256 else 4 if block <= 2048 else 8
+    return 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
 def _quant_outputs(

@@ -15,8 +15,10 @@ import triton.language as tl
 
 from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
-MAX_BLOCK = 4096
-"""Widest chunk of a row one loop iteration loads (registers stay bounded for long rows)."""
+MAX_BLOCK = 16384
+"""Widest chunk of a row one loop iteration loads (registers stay bounded for long rows). Rows
+up to 16k (the MLP width of 8B-70B models) take one chunk: a decode step has one row per token,
+and a program walking its row chunk by chunk, twice, is pure latency there."""
 
 
 @triton.jit
@@ -111,7 +113,7 @@ def _block_for(length: int) -> int:
 
 
 def _num_warps(block: int) -> int:
-    return 1 if block <= 256 else 4 if block <= 2048 else 8
+    return 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
 def per_token_group_quant(
