@@ -1,0 +1,264 @@
+"""Launch-configuration sweep of the skinny Triton GEMM (kernels/triton_gemv.py) against cuBLAS.
+
+For each Llama-3-8B linear shape and decode batch M, times F.linear (cuBLAS) and every launch
+config of the skinny kernel (body, column tile, K step, warps, stages), each as 10 calls captured
+in one CUDA graph (how decode runs them) and replayed under triton.testing.do_bench. The calls
+cycle over enough copies of the weight that none is served from L2 (as consecutive layers are
+not). Every config's output is checked against cuBLAS's before it is timed. Prints cuBLAS and the
+best config per shape and M as achieved weight bandwidth against the HBM roofline, then the
+`TUNED_LAUNCH` table for triton_gemv.py (None where cuBLAS stays faster).
+
+All configs are compiled first, in parallel processes (Triton's on-disk cache carries them over);
+then each shape gets a time budget, most promising configs first.
+
+    python benchmarks/sweep_skinny_gemm.py --seconds 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_utils import HBM_BYTES_PER_S
+
+from v1_engine.kernels import triton_gemv
+
+SHAPES = {  # name: (N, K) of Llama-3-8B's linears
+    "qkv": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+CALLS = 10
+"""Calls per CUDA graph."""
+L2_BYTES = 60e6
+SMEM_BYTES = 200 * 1024
+"""Pipeline buffers above this cannot fit an SM's shared memory (with room for the epilogue)."""
+FMA_MAX_M = 4
+"""The fma body keeps M rows of partial products in registers: only small M."""
+
+
+def dot_configs() -> list[dict]:
+    """Tensor-core bodies, most promising first; pipeline buffers must fit shared memory."""
+    space = itertools.product((4, 3, 6), (256, 128, 512), (16, 32, 64), (4, 8), ("dot_swap", "dot"))
+    configs = []
+    for stages, block_k, block_n, warps, mode in space:
+        if stages * (block_n + 16) * block_k * 2 <= SMEM_BYTES:
+            configs.append(
+                {
+                    "mode": mode,
+                    "block_n": block_n,
+                    "block_k": block_k,
+                    "num_warps": warps,
+                    "num_stages": stages,
+                }
+            )
+    return configs
+
+
+def fma_configs() -> list[dict]:
+    """Broadcast multiply-reduce bodies: at most 64 float32 accumulators per thread at M = 4."""
+    space = itertools.product((4, 3, 6), (512, 256, 1024), (8, 16, 4, 32), (4, 8))
+    configs = []
+    for stages, block_k, block_n, warps in space:
+        fits_registers = FMA_MAX_M * block_n * block_k <= 64 * 32 * warps
+        if fits_registers and stages * (block_n + FMA_MAX_M) * block_k * 2 <= SMEM_BYTES:
+            configs.append(
+                {
+                    "mode": "fma",
+                    "block_n": block_n,
+                    "block_k": block_k,
+                    "num_warps": warps,
+                    "num_stages": stages,
+                }
+            )
+    return configs
+
+
+def interleave(dot: list[dict], fma: list[dict]) -> list[dict]:
+    """Both lists in their own order, three dot configs to one fma config, so a short budget
+    still samples both bodies."""
+    merged = []
+    for i, launch in enumerate(dot):
+        merged.append(launch)
+        if i % 3 == 2 and fma:
+            merged.append(fma.pop(0))
+    return merged + fma
+
+
+def applies(launch: dict, m: int) -> bool:
+    return launch["mode"] != "fma" or m <= FMA_MAX_M
+
+
+def _compile_one(job: tuple[int, dict]) -> str | None:
+    """Worker: compile one (M, config) into Triton's cache; the error text if it fails."""
+    m, launch = job
+    try:
+        triton_gemv.precompile(torch.bfloat16, m, 4096, 4096, **launch)
+    except Exception as error:  # noqa: BLE001 - any compiler rejection just drops this config
+        return f"{launch}: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+    return None
+
+
+def precompile_all(configs: list[dict], ms: list[int], workers: int) -> None:
+    """Compile every config for every distinct BLOCK_M (dot bodies pad M to 16; fma rounds M up
+    to a power of two). N and K only matter to the kernel through their divisibility by 16,
+    which every swept shape shares, so one compile serves all shapes."""
+    jobs = []
+    for launch in configs:
+        buckets = {triton_gemv.m_bucket(m) for m in ms if applies(launch, m)}
+        if launch["mode"] != "fma":
+            buckets = set(list(buckets)[:1])
+        jobs += [(bucket, launch) for bucket in sorted(buckets)]
+    start = time.perf_counter()
+    if workers > 0:
+        context = multiprocessing.get_context("spawn")
+        try:
+            with ProcessPoolExecutor(workers, mp_context=context) as pool:
+                errors = [e for e in pool.map(_compile_one, jobs) if e]
+        except BrokenProcessPool as error:  # the timing loop then compiles as it goes
+            errors = [f"compile workers died ({error}); compiling on first use instead"]
+    else:
+        errors = [e for e in map(_compile_one, jobs) if e]
+    print(f"compiled {len(jobs)} kernels in {time.perf_counter() - start:.1f} s", flush=True)
+    for error in errors[:5]:
+        print(f"  compile failed: {error}", flush=True)
+
+
+def graph_us(call, weights: list[torch.Tensor]) -> float:
+    """Device microseconds per call of `call(weight)`, CALLS calls over the weight copies
+    captured in one CUDA graph and replayed under do_bench."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights[:2]:
+            call(w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS):
+            call(weights[i % len(weights)])
+    ms = triton.testing.do_bench(graph.replay, warmup=5, rep=15)
+    del graph
+    return ms * 1e3 / CALLS
+
+
+def rate(us: float, m: int, n: int, k: int) -> float:
+    """Bytes per second: the weight plus x and the output, once each."""
+    return 2 * (n * k + m * k + m * n) / (us * 1e-6)
+
+
+def matches(launch: dict, x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> bool:
+    out = triton_gemv.skinny_gemm(x, w, **launch)
+    scale = ref.float().abs().amax().item()
+    return torch.allclose(out.float(), ref.float(), rtol=2**-7, atol=scale * 2**-7)
+
+
+def sweep_shape(name: str, n: int, k: int, ms: list[int], configs: list[dict], seconds: float):
+    """Per M: (cuBLAS us, [(us, launch) of the skinny configs]) within `seconds`."""
+    copies = min(CALLS, max(1, math.ceil(4 * L2_BYTES / (2 * n * k))))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
+    refs = {m: F.linear(xs[m], weights[0]) for m in ms}
+    results = {m: (graph_us(lambda w, m=m: F.linear(xs[m], w), weights), []) for m in ms}
+    default = {m: triton_gemv.launch_config(m, n, k) for m in ms}
+    start, tried = time.perf_counter(), 0
+    for launch in [None, *configs]:
+        if time.perf_counter() - start > seconds:
+            break
+        tried += 1
+        for m in ms:
+            chosen = default[m] if launch is None else launch
+            if not applies(chosen, m):
+                continue
+            try:
+                if not matches(chosen, xs[m], weights[0], refs[m]):
+                    print(f"  {name} M={m}: WRONG RESULT from {chosen}", flush=True)
+                    continue
+                us = graph_us(
+                    lambda w, m=m, c=chosen: triton_gemv.skinny_gemm(xs[m], w, **c), weights
+                )
+            except Exception as error:  # noqa: BLE001 - out of resources, compiler errors: skip
+                print(f"  {name} M={m}: skipped {chosen}: {type(error).__name__}", flush=True)
+                continue
+            results[m][1].append((us, "default" if launch is None else "", chosen))
+    print(f"{name} (N={n}, K={k}): {tried} of {len(configs) + 1} configs timed", flush=True)
+    del weights
+    torch.cuda.empty_cache()
+    return results
+
+
+def report(name: str, n: int, k: int, results: dict) -> dict:
+    """Prints cuBLAS vs the skinny kernel per M; returns the TUNED_LAUNCH entries of the shape."""
+    table = {}
+    for m, (cublas, timed) in results.items():
+        timed.sort(key=lambda r: r[0])
+        line = (
+            f"  {name:8s} M={m:2d}  cuBLAS {cublas:7.1f} us {rate(cublas, m, n, k) / 1e12:.2f} TB/s"
+        )
+        if not timed:
+            print(line + "  (no skinny config ran)", flush=True)
+            table[(triton_gemv.m_bucket(m), n, k)] = None
+            continue
+        us, tag, launch = timed[0]
+        default = next((t for t in timed if t[1] == "default"), None)
+        line += f" | skinny {us:7.1f} us {rate(us, m, n, k) / 1e12:.2f} TB/s"
+        line += f" ({rate(us, m, n, k) / HBM_BYTES_PER_S:.0%}) x{cublas / us:.2f} {tag} {launch}"
+        if default is not None:
+            line += f" | default {default[0]:.1f} us"
+        print(line, flush=True)
+        table[(triton_gemv.m_bucket(m), n, k)] = launch if us < cublas else None
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"any of {list(SHAPES)}")
+    parser.add_argument("--m", default="1,2,4,8,16", help="batch sizes (1..16)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="timing budget per shape")
+    parser.add_argument("--modes", default=",".join(triton_gemv.MODES))
+    parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_skinny_gemm.py needs a CUDA GPU")
+    names = [s for s in args.shapes.split(",") if s]
+    for s in names:
+        if s not in SHAPES:
+            raise SystemExit(f"--shapes: {s!r} is not one of {list(SHAPES)}")
+    ms = [int(m) for m in args.m.split(",") if m]
+    if not all(1 <= m <= triton_gemv.SKINNY_MAX_M for m in ms):
+        raise SystemExit(f"--m: batch sizes must be in 1..{triton_gemv.SKINNY_MAX_M}")
+    modes = set(args.modes.split(","))
+    configs = [c for c in interleave(dot_configs(), fma_configs()) if c["mode"] in modes]
+    torch.manual_seed(0)
+    begin = time.perf_counter()
+    precompile_all(configs, ms, args.workers)
+    table = {}
+    for name in names:
+        n, k = SHAPES[name]
+        table |= report(name, n, k, sweep_shape(name, n, k, ms, configs, args.seconds))
+    print(f"\nsuggested table ({time.perf_counter() - begin:.0f} s in all):")
+    print("TUNED_LAUNCH = {")
+    for key, launch in table.items():
+        print(f"    {key}: {launch},")
+    print("}")
+
+
+if __name__ == "__main__":
+    main()

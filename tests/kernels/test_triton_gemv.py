@@ -1,0 +1,282 @@
+"""The skinny Triton GEMM (kernels/triton_gemv.py) and the `v1_engine::skinny_linear` op against
+torch matmuls: under the interpreter on CPU (tiny shapes, every body, masks, strides, bias), on
+the device with CUDA (the Llama-3-8B linear shapes, CUDA graphs, torch.compile)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+_CUDA = torch.cuda.is_available()
+if not _CUDA:
+    # Must be set before triton is imported and the kernel is decorated.
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "v1_engine.kernels.triton_gemv" in sys.modules:
+        importlib.reload(sys.modules["v1_engine.kernels.triton_gemv"])
+
+from v1_engine.layers.quantization.base import UnquantizedLinearMethod
+
+triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
+interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
+
+BF16_ULP = 2.0**-7
+"""Relative spacing of bf16 values; the interpreter truncates float32 -> bf16 (the device rounds
+to nearest), so a result may sit one spacing from the float32 reference."""
+
+LLAMA3_8B_SHAPES = {  # name: (N, K)
+    "qkv": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+}
+
+
+def values(shape: tuple[int, ...], dtype: torch.dtype, seed: int, device="cpu") -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(dtype).to(device)
+
+
+def strided_rows(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """x [m, k] whose rows sit k + 24 elements apart (a slice of a wider buffer)."""
+    x = values((m, k + 24), dtype, seed)[:, 5 : 5 + k]
+    assert x.stride(0) == k + 24 and x.stride(1) == 1
+    return x
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 x @ w^T + bias of the (possibly 16-bit) operands."""
+    out = x.double() @ w.double().T
+    if bias is not None:
+        out += bias.double()
+    return out.float()
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, k: int) -> None:
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * k**0.5)
+        return
+    # One 16-bit rounding of a float32 sum (plus the float32 sum's own few-ulp error).
+    scale = ref.abs().amax().item()
+    torch.testing.assert_close(out.float(), ref, rtol=BF16_ULP, atol=BF16_ULP * scale / 64)
+
+
+# ---- interpreter (CPU) -----------------------------------------------------------------------
+
+
+@interpreter_only
+@pytest.mark.parametrize("mode", triton_gemv.MODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_matches_reference_interpreted(mode, dtype, m, with_bias):
+    # N = 40 is not a multiple of BLOCK_N (16, or 8 for fma) and K = 80 not one of BLOCK_K = 32:
+    # both edges are masked; x's rows are strided.
+    n, k = 40, 80
+    x = strided_rows(m, k, dtype, 1)
+    w = values((n, k), dtype, 2)
+    bias = values((n,), dtype, 3) if with_bias else None
+    block_n = 8 if mode == "fma" else 16
+    out = triton_gemv.skinny_gemm(
+        x, w, bias, mode=mode, block_n=block_n, block_k=32, num_warps=4, num_stages=2
+    )
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert_matches(out, reference(x, w, bias), k)
+
+
+@interpreter_only
+def test_default_launch_masks_a_short_k_interpreted():
+    # The default config (BLOCK_K 256) over K = 72: one masked step; fp16, M in the 8 bucket.
+    x, w, bias = values((5, 72), torch.float16, 4), values((24, 72), torch.float16, 5), None
+    assert triton_gemv.launch_config(5, 24, 72)["block_k"] == 256
+    assert_matches(triton_gemv.skinny_gemm(x, w, bias), reference(x, w, bias), 72)
+
+
+@interpreter_only
+def test_cuda_body_runs_the_kernel_up_to_max_m_interpreted(monkeypatch):
+    """The op's CUDA body on CPU tensors (the interpreter runs the kernel): M <= 16 goes to the
+    kernel; M = 17, float32 operands and shapes the table marks for F.linear go to F.linear."""
+    calls = []
+    kernel = triton_gemv.skinny_gemm
+    monkeypatch.setattr(
+        triton_gemv, "skinny_gemm", lambda *args, **kw: calls.append(1) or kernel(*args, **kw)
+    )
+    w, bias = values((24, 64), torch.bfloat16, 6), values((24,), torch.bfloat16, 7)
+    x = values((16, 64), torch.bfloat16, 8)
+    out = triton_gemv.skinny_linear_cuda(x, w, bias)
+    assert calls == [1]
+    assert_matches(out, reference(x, w, bias), 64)
+
+    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (2, 24, 64), None)  # measured: F.linear
+    for x in (
+        values((17, 64), torch.bfloat16, 9),
+        values((3, 64), torch.float32, 10),
+        values((2, 64), torch.bfloat16, 11),
+    ):
+        w_x, bias_x = w.to(x.dtype), bias.to(x.dtype)
+        out = triton_gemv.skinny_linear_cuda(x, w_x, bias_x)
+        assert calls == [1]
+        assert torch.equal(out, F.linear(x, w_x, bias_x))
+
+
+# ---- dispatch rules, launch table, tracing (no kernel runs) ---------------------------------
+
+
+def test_fits_skinny_rules():
+    w = values((32, 64), torch.bfloat16, 1)
+    x = values((4, 64), torch.bfloat16, 2)
+    fits = triton_gemv.fits_skinny
+    assert fits(x, w, None) and fits(x, w, values((32,), torch.bfloat16, 3))
+    assert fits(values((16, 64), torch.float16, 4), w.half(), None)
+    assert not fits(values((17, 64), torch.bfloat16, 4), w, None)  # M > SKINNY_MAX_M
+    assert not fits(x[:0], w, None)  # no rows
+    assert not fits(x.float(), w.float(), None)  # float32 stays on F.linear
+    assert not fits(x, w.half(), None)  # mixed dtypes
+    assert not fits(x, w.T.contiguous().T, None)  # K not contiguous in the weight
+    assert not fits(values((4, 60), torch.bfloat16, 5), values((32, 60), torch.bfloat16, 6), None)
+    assert not fits(values((4, 70), torch.bfloat16, 7)[:, 1:65], w, None)  # misaligned rows
+    assert not fits(x, w, values((32,), torch.float32, 8))  # bias dtype
+    assert not fits(x, w, values((64,), torch.bfloat16, 9)[::2])  # strided bias
+
+
+def test_launch_table_and_overrides(monkeypatch):
+    assert [triton_gemv.m_bucket(m) for m in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    tuned = {"mode": "dot_swap", "block_n": 32, "block_k": 128, "num_warps": 8, "num_stages": 5}
+    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (4, 4096, 4096), tuned)
+    assert triton_gemv.launch_config(3, 4096, 4096) == tuned  # M = 3 is in the 4 bucket
+    assert triton_gemv.launch_config(5, 4096, 4096) == triton_gemv.default_launch(5, 4096, 4096)
+    resolved = triton_gemv.resolve_launch(3, 4096, 4096, {"num_stages": 2})
+    assert resolved == tuned | {"num_stages": 2}
+    for bad in (
+        {"block_m": 16},
+        {"mode": "split_k"},
+        {"block_n": 8},  # below the dot's 16
+        {"block_k": 48},
+        {"num_warps": 3},
+        {"num_stages": 0},
+    ):
+        with pytest.raises(ValueError, match=next(iter(bad)) if "block_m" not in bad else "key"):
+            triton_gemv.resolve_launch(3, 4096, 4096, bad)
+    assert triton_gemv.resolve_launch(1, 64, 64, {"mode": "fma", "block_n": 4})["block_n"] == 4
+    assert triton_gemv.prefers_skinny(3, 4096, 4096) and triton_gemv.prefers_skinny(1, 64, 64)
+    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (16, 4096, 4096), None)  # F.linear faster
+    assert not triton_gemv.prefers_skinny(9, 4096, 4096)
+    assert triton_gemv.launch_config(9, 4096, 4096) == triton_gemv.default_launch(9, 4096, 4096)
+
+
+def test_op_traces_with_unbacked_token_count():
+    """Under torch.compile the op is one node and the row count stays unbacked: its fake
+    implementation gives the [M, N] output without branching on M."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    def fn(x, w, b):
+        return triton_gemv.skinny_linear(x, w, b) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    w, b = values((24, 32), torch.bfloat16, 1), values((24,), torch.bfloat16, 2)
+    for m in (3, 20):
+        x = values((m, 32), torch.bfloat16, m)
+        torch._dynamo.decorators.mark_unbacked(x, 0)
+        assert torch.equal(compiled(x, w, b), F.linear(x, w, b) * 2)
+    assert len(graphs) == 1  # one graph for every token count
+    targets = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert any(target.startswith("v1_engine.skinny_linear") for target in targets), targets
+
+
+def test_op_keeps_leading_dims():
+    x, w = values((2, 3, 32), torch.bfloat16, 1), values((24, 32), torch.bfloat16, 2)
+    out = triton_gemv.skinny_linear(x, w)
+    assert out.shape == (2, 3, 24) and torch.equal(out, F.linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unquantized_apply_on_cpu_is_f_linear(dtype):
+    layer = SimpleNamespace(weight=values((24, 32), dtype, 1))
+    x, bias = values((3, 32), dtype, 2), values((24,), dtype, 3)
+    out = UnquantizedLinearMethod().apply(layer, x, bias)
+    assert torch.equal(out, F.linear(x, layer.weight, bias))
+
+
+# ---- device ----------------------------------------------------------------------------------
+
+
+@functools.cache
+def llama3_weight(name: str) -> torch.Tensor:
+    """One random weight per shape, made once (the largest is 117M values)."""
+    n, k = LLAMA3_8B_SHAPES[name]
+    return torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+def test_llama3_shapes_match_torch_mm_gpu(name, m):
+    k = LLAMA3_8B_SHAPES[name][1]
+    w = llama3_weight(name)
+    x = values((m, k), torch.bfloat16, 2, "cuda")
+    out = triton_gemv.skinny_linear(x, w)
+    ref = reference(x, w, None)
+    assert_matches(out, ref, k)
+    # As close to the float32 result as cuBLAS's own bf16 output is, give or take a rounding.
+    cublas_err = (torch.mm(x, w.T).float() - ref).abs().amax()
+    assert (out.float() - ref).abs().amax() <= 2 * cublas_err + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", triton_gemv.MODES)
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_mode_on_device_gpu(mode, m, dtype):
+    n, k = 1000, 4104  # ragged N and K: masked edges on the device too
+    x = strided_rows(m, k, dtype, 3).cuda()
+    w = (values((n, k), dtype, 4) * 0.02).cuda()
+    bias = values((n,), dtype, 5).cuda()
+    launch = {"mode": mode, "block_n": 16 if mode == "fma" else 32, "block_k": 128}
+    out = triton_gemv.skinny_gemm(x, w, bias, num_warps=4, num_stages=3, **launch)
+    assert_matches(out, reference(x, w, bias), k)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_gpu():
+    n, k = LLAMA3_8B_SHAPES["o_proj"]
+    w = values((n, k), torch.bfloat16, 1, "cuda") * 0.02
+    bias = values((n,), torch.bfloat16, 2, "cuda")
+    x = values((4, k), torch.bfloat16, 3, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        triton_gemv.skinny_linear(x, w, bias)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_gemv.skinny_linear(x, w, bias)
+    for seed in (4, 5):
+        x.copy_(values((4, k), torch.bfloat16, seed, "cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(out, reference(x, w, bias), k)
+
+
+@pytest.mark.gpu
+def test_apply_under_compile_gpu():
+    """The unquantized linear method compiled with an unbacked token count: skinny kernel for
+    small M, F.linear beyond SKINNY_MAX_M; one graph for all."""
+    layer = SimpleNamespace(weight=values((6144, 4096), torch.bfloat16, 1, "cuda") * 0.02)
+    method = UnquantizedLinearMethod()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: method.apply(layer, x, None), fullgraph=True)
+    for m in (1, 7, 40):
+        x = values((m, 4096), torch.bfloat16, m, "cuda")
+        torch._dynamo.decorators.mark_unbacked(x, 0)
+        assert_matches(compiled(x), reference(x, layer.weight, None), 4096)

@@ -1,0 +1,308 @@
+"""Skinny GEMM in Triton: y [M, N] = x [M, K] @ W[N, K]^T (+ bias) for decode-sized M (1..16).
+
+At decode sizes a linear layer only streams its weight from HBM; the matmul itself is free. The
+vendor GEMM reads small weights well below bandwidth there and splits K on some shapes (two extra
+kernels per linear: a copy and a reduction). Here each linear is one kernel: the grid runs over
+BLOCK_N-row tiles of W and each program walks the whole of K with pipelined loads (no split-K, no
+atomics, so results are deterministic), accumulating in float32 and storing in x's dtype.
+
+Three bodies, picked by the launch config's `mode` (the sweep compares them):
+
+- "dot": acc[16, BLOCK_N] = x @ W^T on tensor cores, x's rows padded to 16 (masked, never read);
+- "dot_swap": acc[BLOCK_N, 16] = W @ x^T, the weight tile as the dot's left operand;
+- "fma": broadcast multiply into a [BLOCK_M, BLOCK_N, BLOCK_K] float32 accumulator, summed over K
+  once at the end; BLOCK_M is M rounded up to a power of two (no padding to 16).
+
+`v1_engine::skinny_linear` is the custom op the unquantized linear layers call on CUDA: it runs
+the kernel when M <= SKINNY_MAX_M and the operands fit (`fits_skinny`), else F.linear. It is one
+opaque node under torch.compile (the token count stays symbolic: every branch on M runs inside the
+op on real tensors) and CUDA graphs capture it (no host sync; the output is its only allocation).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+SKINNY_MAX_M = 16
+"""Largest row count the skinny kernel takes; more rows go to F.linear (compute starts to
+matter there and the vendor GEMM's tiles fit)."""
+
+SKINNY_DTYPES = (torch.bfloat16, torch.float16)
+"""Operand dtypes the op routes to the kernel (the kernel itself also takes float32)."""
+
+SKINNY_GEMM_ENABLED = os.environ.get("V1ENGINE_SKINNY_GEMM", "1") != "0"
+"""V1ENGINE_SKINNY_GEMM=0 keeps the unquantized linear layers on F.linear everywhere."""
+
+MODES = ("dot", "dot_swap", "fma")
+LAUNCH_KEYS = ("mode", "block_n", "block_k", "num_warps", "num_stages")
+_MODE_IDS = {name: index for index, name in enumerate(MODES)}
+_DOT_ROWS = 16
+"""tl.dot needs every dimension >= 16: the dot bodies pad x's rows to this."""
+
+_ALIGN_ELEMS = 8
+"""K and x's row stride in elements must keep rows 16-byte aligned for vector loads."""
+
+TUNED_LAUNCH: dict[tuple[int, int, int], dict[str, int | str] | None] = {}
+"""Measured launch configs keyed by (M bucket, N, K), M bucket = M rounded up to a power of two;
+None marks a shape where F.linear measured faster, so the op keeps it there.
+benchmarks/sweep_skinny_gemm.py prints this table; shapes missing from it use `default_launch`."""
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    """a @ b with float32 accumulation; exact float32 products for float32 operands (and under
+    the interpreter, whose dot cannot take 16-bit floats: operands are upcast there)."""
+    if DOT_F32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    MODE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """One program per BLOCK_N output columns, looping over all of K (MODE: see the module)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    if MODE == 0:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif MODE == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # An explicit num_stages on the loop pipelines the loads even where no tl.dot consumes them.
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k_mask = offs_k[None, :] < K - k
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_last")
+        if DOT_F32:
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        if MODE == 0:
+            acc += _dot(x, tl.trans(w), DOT_F32)
+        elif MODE == 1:
+            acc += _dot(w, tl.trans(x), DOT_F32)
+        else:
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if MODE == 0:
+        result = acc
+    elif MODE == 1:
+        result = tl.trans(acc)
+    else:
+        result = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def m_bucket(m: int) -> int:
+    """M rounded up to a power of two: the row count the launch table is keyed by."""
+    return 1 << max(0, m - 1).bit_length()
+
+
+def default_launch(m: int, n: int, k: int) -> dict[str, int | str]:
+    """Launch config for shapes the sweep has not measured: enough column tiles to give every
+    SM of a large GPU about two programs, 256-wide K steps and four stages in flight."""
+    if n >= 16384:
+        block_n = 64
+    elif n >= 8192:
+        block_n = 32
+    else:
+        block_n = 16
+    return {"mode": "dot", "block_n": block_n, "block_k": 256, "num_warps": 4, "num_stages": 4}
+
+
+def launch_config(m: int, n: int, k: int) -> dict[str, int | str]:
+    """The launch config of an M x N x K skinny GEMM: TUNED_LAUNCH's entry, else the default."""
+    return dict(TUNED_LAUNCH.get((m_bucket(m), n, k)) or default_launch(m, n, k))
+
+
+def prefers_skinny(m: int, n: int, k: int) -> bool:
+    """False where TUNED_LAUNCH records that F.linear is faster for this shape."""
+    return TUNED_LAUNCH.get((m_bucket(m), n, k), {}) is not None
+
+
+def _is_pow2(value: object) -> bool:
+    return isinstance(value, int) and value > 0 and value & (value - 1) == 0
+
+
+def resolve_launch(m: int, n: int, k: int, launch: dict[str, int | str]) -> dict[str, int | str]:
+    """`launch_config` with the `launch` overrides applied; raises ValueError naming a key that
+    is unknown or out of range."""
+    for key in launch:
+        if key not in LAUNCH_KEYS:
+            raise ValueError(f"unknown launch key {key!r}; allowed keys are {LAUNCH_KEYS}")
+    config = launch_config(m, n, k) | launch
+    if config["mode"] not in MODES:
+        raise ValueError(f"launch mode must be one of {MODES}, got {config['mode']!r}")
+    floor = 1 if config["mode"] == "fma" else _DOT_ROWS
+    for key in ("block_n", "block_k"):
+        if not _is_pow2(config[key]) or config[key] < floor:
+            raise ValueError(
+                f"launch {key} must be a power of two >= {floor} in mode {config['mode']!r}, "
+                f"got {config[key]!r}"
+            )
+    if not _is_pow2(config["num_warps"]):
+        raise ValueError(f"launch num_warps must be a power of two, got {config['num_warps']!r}")
+    if not isinstance(config["num_stages"], int) or config["num_stages"] < 1:
+        raise ValueError(f"launch num_stages must be an integer >= 1, got {config['num_stages']!r}")
+    return config
+
+
+def _constexprs(m: int, dtype: torch.dtype, has_bias: bool, config: dict) -> dict:
+    """The kernel's compile-time arguments and launch options for a resolved config."""
+    mode = _MODE_IDS[config["mode"]]
+    return {
+        "HAS_BIAS": has_bias,
+        "MODE": mode,
+        "DOT_F32": dtype == torch.float32 or _interpreting(),
+        "BLOCK_M": m_bucket(m) if mode == 2 else max(_DOT_ROWS, m_bucket(m)),
+        "BLOCK_N": config["block_n"],
+        "BLOCK_K": config["block_k"],
+        "NUM_STAGES": config["num_stages"],
+        "num_warps": config["num_warps"],
+        "num_stages": config["num_stages"],
+    }
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    **launch: int | str,
+) -> torch.Tensor:
+    """out [M, N] = x [M, K] @ weight[N, K]^T (+ bias [N]) in x's dtype, float32 accumulation.
+
+    x's last dim and weight must be contiguous (x's rows may be strided); any M works but the
+    kernel is meant for M <= SKINNY_MAX_M. `launch` overrides keys of `launch_config` (mode,
+    block_n, block_k, num_warps, num_stages) for tuning.
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    config = resolve_launch(m, n, k, launch)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _skinny_gemm_kernel[(triton.cdiv(n, config["block_n"]),)](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        **_constexprs(m, x.dtype, bias is not None, config),
+    )
+    return out
+
+
+def precompile(dtype: torch.dtype, m: int, n: int, k: int, **launch: int | str) -> None:
+    """Compile (into Triton's cache) the kernel skinny_gemm would launch for contiguous,
+    16-byte aligned operands of this shape, without launching it: lets a tuning sweep compile
+    its configurations in parallel processes."""
+    config = resolve_launch(m, n, k, launch)
+    _skinny_gemm_kernel.warmup(
+        dtype,
+        dtype,
+        dtype,
+        dtype,
+        m,
+        n,
+        k,
+        k,
+        k,
+        n,
+        grid=(1,),
+        **_constexprs(m, dtype, False, config),
+    )
+
+
+def fits_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the op runs the skinny kernel: 1..SKINNY_MAX_M rows of bf16/fp16, 2-D operands
+    of one dtype, a contiguous weight and bias, and 16-byte aligned rows (vector loads)."""
+    if x.dim() != 2 or weight.dim() != 2 or not 1 <= x.shape[0] <= SKINNY_MAX_M:
+        return False
+    if x.dtype not in SKINNY_DTYPES or weight.dtype != x.dtype:
+        return False
+    k = x.shape[1]
+    if weight.shape[1] != k or not weight.is_contiguous() or x.stride(1) != 1:
+        return False
+    if k % _ALIGN_ELEMS or (x.shape[0] > 1 and x.stride(0) % _ALIGN_ELEMS):
+        return False
+    if x.data_ptr() % 16 or weight.data_ptr() % 16:
+        return False
+    return bias is None or (
+        bias.dtype == x.dtype and bias.shape == (weight.shape[0],) and bias.is_contiguous()
+    )
+
+
+@torch.library.custom_op("v1_engine::skinny_linear", mutates_args=())
+def _skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+@_skinny_linear.register_kernel("cuda")
+def skinny_linear_cuda(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The op's CUDA body (real tensors, so branching on M is free here)."""
+    if fits_skinny(x, weight, bias) and prefers_skinny(x.shape[0], *weight.shape):
+        return skinny_gemm(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@_skinny_linear.register_fake
+def _skinny_linear_fake(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K] through `v1_engine::skinny_linear`: the skinny
+    kernel on CUDA for up to SKINNY_MAX_M rows, F.linear otherwise."""
+    if x.dim() == 2:
+        return torch.ops.v1_engine.skinny_linear(x, weight, bias)
+    out = torch.ops.v1_engine.skinny_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
