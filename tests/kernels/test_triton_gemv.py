@@ -148,10 +148,10 @@ def test_fits_skinny_rules():
 def test_launch_table_and_overrides(monkeypatch):
     assert [triton_gemv.m_bucket(m) for m in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
     tuned = {"mode": "dot_swap", "block_n": 32, "block_k": 128, "num_warps": 8, "num_stages": 5}
-    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (4, 4096, 4096), tuned)
-    assert triton_gemv.launch_config(3, 4096, 4096) == tuned  # M = 3 is in the 4 bucket
-    assert triton_gemv.launch_config(5, 4096, 4096) == triton_gemv.default_launch(5, 4096, 4096)
-    resolved = triton_gemv.resolve_launch(3, 4096, 4096, {"num_stages": 2})
+    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (4, 1024, 1024), tuned)
+    assert triton_gemv.launch_config(3, 1024, 1024) == tuned  # M = 3 is in the 4 bucket
+    assert triton_gemv.launch_config(5, 1024, 1024) == triton_gemv.default_launch(5, 1024, 1024)
+    resolved = triton_gemv.resolve_launch(3, 1024, 1024, {"num_stages": 2})
     assert resolved == tuned | {"num_stages": 2}
     for bad in (
         {"block_m": 16},
@@ -162,12 +162,12 @@ def test_launch_table_and_overrides(monkeypatch):
         {"num_stages": 0},
     ):
         with pytest.raises(ValueError, match=next(iter(bad)) if "block_m" not in bad else "key"):
-            triton_gemv.resolve_launch(3, 4096, 4096, bad)
+            triton_gemv.resolve_launch(3, 1024, 1024, bad)
     assert triton_gemv.resolve_launch(1, 64, 64, {"mode": "fma", "block_n": 4})["block_n"] == 4
-    assert triton_gemv.prefers_skinny(3, 4096, 4096) and triton_gemv.prefers_skinny(1, 64, 64)
-    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (16, 4096, 4096), None)  # F.linear faster
-    assert not triton_gemv.prefers_skinny(9, 4096, 4096)
-    assert triton_gemv.launch_config(9, 4096, 4096) == triton_gemv.default_launch(9, 4096, 4096)
+    assert triton_gemv.prefers_skinny(3, 1024, 1024) and triton_gemv.prefers_skinny(1, 64, 64)
+    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (16, 1024, 1024), None)  # F.linear faster
+    assert not triton_gemv.prefers_skinny(9, 1024, 1024)
+    assert triton_gemv.launch_config(9, 1024, 1024) == triton_gemv.default_launch(9, 1024, 1024)
 
 
 def test_op_traces_with_unbacked_token_count():
