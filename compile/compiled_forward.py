@@ -68,11 +68,12 @@ class CompiledForward:
         self.trace_s = time.perf_counter() - start
         self.backend.allow_recompile = False
         logger.info(
-            "compiled the forward: Dynamo %.2f s, Inductor %.2f s (%d pieces around %d "
-            "attention ops)",
+            "compiled the forward: Dynamo %.2f s, Inductor %.2f s (%d pieces, %d compiled, "
+            "around %d attention ops)",
             self.dynamo_s,
             self.stats.inductor_s,
             self.stats.num_pieces,
+            self.stats.num_compiled,
             self.stats.num_splitting_ops,
         )
         return output
