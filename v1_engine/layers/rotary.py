@@ -63,13 +63,89 @@ def compute_inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
     raise ValueError(f"rope_type must be one of {SUPPORTED_ROPE_TYPES}, got {rope_type!r}")
 
 
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox_style: bool
+) -> torch.Tensor:
+    if is_neox_style:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    else:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotary_embedding_ref(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    is_neox_style: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch rotary: RotaryEmbedding's path off CUDA, the op's body on every device but
+    CUDA, and the tests' oracle. Neox style rounds the gathered cos/sin to the query dtype and
+    rotates in that dtype; the interleaved style rotates in float32 whatever the model dtype,
+    as its reference does."""
+    if not is_neox_style:
+        cos = cos_cache[positions][:, None, :]
+        sin = sin_cache[positions][:, None, :]
+        rotated_q = _rotate(query.float(), cos, sin, False).to(query.dtype)
+        return rotated_q, _rotate(key.float(), cos, sin, False).to(key.dtype)
+    cos = cos_cache[positions].to(query.dtype)[:, None, :]
+    sin = sin_cache[positions].to(query.dtype)[:, None, :]
+    return _rotate(query, cos, sin, True), _rotate(key, cos, sin, True)
+
+
+@torch.library.custom_op("v1_engine::rotary_embedding", mutates_args=())
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    is_neox_style: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated (query [T, Hq, D], key [T, Hkv, D]) at `positions` [T], as new contiguous
+    tensors. One opaque node under torch.compile: on CUDA a single Triton kernel
+    (kernels/triton_rope.py, float32 math rounded once), elsewhere `rotary_embedding_ref`."""
+    return rotary_embedding_ref(positions, query, key, cos_cache, sin_cache, is_neox_style)
+
+
+@rotary_embedding.register_fake
+def _rotary_embedding_fake(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    is_neox_style: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return query.new_empty(query.shape), key.new_empty(key.shape)
+
+
+@rotary_embedding.register_kernel("cuda")
+def _rotary_embedding_cuda(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    is_neox_style: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Imported on first CUDA use so CPU imports never need triton.
+    from v1_engine.kernels import triton_rope
+
+    return triton_rope.rotary_embedding(positions, query, key, cos_cache, sin_cache, is_neox_style)
+
+
 class RotaryEmbedding(nn.Module):
     """Applies rotary embedding to query [T, Hq, D] and key [T, Hkv, D] at `positions` [T].
 
     `attention_scaling` multiplies cos and sin (YaRN's attention factor; 1 otherwise). The
     interleaved style (`is_neox_style=False`) rotates pairs (x0, x1), (x2, x3), ... and returns
     the rotated even elements followed by the rotated odd ones: query and key get the same
-    permutation, so their dot products are those of the interleaved layout.
+    permutation, so their dot products are those of the interleaved layout. On CUDA the rotation
+    is the `v1_engine::rotary_embedding` op: one kernel for query and key.
     """
 
     def __init__(
@@ -91,26 +167,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.is_neox_style:
-            half = self.head_size // 2
-            x1, x2 = x[..., :half], x[..., half:]
-        else:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_neox_style:
-            # The interleaved reference rotates in float32 whatever the model dtype.
-            cos = self.cos_cache[positions][:, None, :]
-            sin = self.sin_cache[positions][:, None, :]
-            rotated_q = self._rotate(query.float(), cos, sin).to(query.dtype)
-            return rotated_q, self._rotate(key.float(), cos, sin).to(key.dtype)
-        cos = self.cos_cache[positions].to(query.dtype)[:, None, :]
-        sin = self.sin_cache[positions].to(query.dtype)[:, None, :]
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        if query.shape[-1] != self.head_size or key.shape[-1] != self.head_size:
+            raise ValueError(
+                f"query and key head size must be {self.head_size}, "
+                f"got {query.shape[-1]} and {key.shape[-1]}"
+            )
+        args = (positions, query, key, self.cos_cache, self.sin_cache, self.is_neox_style)
+        if query.is_cuda:
+            return torch.ops.v1_engine.rotary_embedding(*args)
+        # Elsewhere the PyTorch code itself, not the op: torch.compile then fuses it into the
+        # layer as it always has, so compiled CPU results stay bit-identical to before the op
+        # existed (an opaque op there moves bf16 roundings and greedy tokens of tiny models).
+        return rotary_embedding_ref(*args)
 
 
 def get_rope(head_size: int, max_position: int, rope_parameters: dict[str, Any]) -> RotaryEmbedding:
