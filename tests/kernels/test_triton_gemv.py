@@ -100,8 +100,9 @@ def test_default_launch_masks_a_short_k_interpreted():
 
 @interpreter_only
 def test_cuda_body_runs_the_kernel_up_to_max_m_interpreted(monkeypatch):
-    """The op's CUDA body on CPU tensors (the interpreter runs the kernel): M <= 16 goes to the
-    kernel; M = 17, float32 operands and shapes the table marks for F.linear go to F.linear."""
+    """The op's CUDA body on CPU tensors (the interpreter runs the kernel): M <= 16 of a measured
+    shape goes to the kernel; unmeasured shapes, M = 17, float32 operands and shapes the table
+    marks for F.linear go to F.linear."""
     calls = []
     kernel = triton_gemv.skinny_gemm
     monkeypatch.setattr(
@@ -109,6 +110,10 @@ def test_cuda_body_runs_the_kernel_up_to_max_m_interpreted(monkeypatch):
     )
     w, bias = values((24, 64), torch.bfloat16, 6), values((24,), torch.bfloat16, 7)
     x = values((16, 64), torch.bfloat16, 8)
+    unmeasured = triton_gemv.skinny_linear_cuda(x, w, bias)  # no table entry: F.linear
+    assert calls == [] and torch.equal(unmeasured, F.linear(x, w, bias))
+    tuned = {"mode": "dot_swap", "block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 2}
+    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (16, 24, 64), tuned)
     out = triton_gemv.skinny_linear_cuda(x, w, bias)
     assert calls == [1]
     assert_matches(out, reference(x, w, bias), 64)
@@ -164,7 +169,8 @@ def test_launch_table_and_overrides(monkeypatch):
         with pytest.raises(ValueError, match=next(iter(bad)) if "block_m" not in bad else "key"):
             triton_gemv.resolve_launch(3, 1024, 1024, bad)
     assert triton_gemv.resolve_launch(1, 64, 64, {"mode": "fma", "block_n": 4})["block_n"] == 4
-    assert triton_gemv.prefers_skinny(3, 1024, 1024) and triton_gemv.prefers_skinny(1, 64, 64)
+    assert triton_gemv.prefers_skinny(3, 1024, 1024)  # the 4 bucket holds a config
+    assert not triton_gemv.prefers_skinny(1, 64, 64)  # unmeasured: F.linear
     monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (16, 1024, 1024), None)  # F.linear faster
     assert not triton_gemv.prefers_skinny(9, 1024, 1024)
     assert triton_gemv.launch_config(9, 1024, 1024) == triton_gemv.default_launch(9, 1024, 1024)
