@@ -51,7 +51,8 @@ def profile_batch(llm: LLM, batch: int, args, vocab: int, out_dir: Path) -> None
         sort_by="self_device_time_total", row_limit=30, max_name_column_width=70
     )
     (out_dir / f"kernels_b{batch}.txt").write_text(table)
-    prof.export_chrome_trace(str(out_dir / f"trace_b{batch}.json"))
+    if args.trace:
+        prof.export_chrome_trace(str(out_dir / f"trace_b{batch}.json"))
 
     host = cProfile.Profile()
     host.enable()
@@ -94,6 +95,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="default: just enough")
     parser.add_argument("--prefill-len", type=int, default=0, help="also profile this prefill")
     parser.add_argument("--out-dir", default="benchmarks/logs/profile")
+    parser.add_argument(
+        "--trace", action="store_true", help="also write a Chrome trace per batch (tens of MB)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py needs a CUDA GPU")
