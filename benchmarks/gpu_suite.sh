@@ -8,7 +8,8 @@
 # $OUT (the device tool's output folder) or benchmarks/logs/.
 # Knobs: BENCH_MODEL (a folder of benchmarks/configs, default llama3-8b), LATENCY_ARGS,
 # THROUGHPUT_ARGS (extra flags), SUITE_STAGES (any of: tests latency throughput startup fp8
-# deepseek profile; default the first three).
+# deepseek profile sweeps; default the first three). `sweeps` runs the launch sweeps of the
+# skinny GEMM (bf16, FP8 per-channel and block) and the attention kernel: paste their tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=${OUT:-benchmarks/logs}
@@ -90,6 +91,18 @@ if [[ " $STAGES " == *" profile "* ]]; then
     | tee "$LOG_DIR/profile.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   { echo; echo "## decode profile"; grep -E "^batch" "$LOG_DIR/profile.log"; } >> "$summary"
+fi
+if [[ " $STAGES " == *" sweeps "* ]]; then
+  for kind in "" "--fp8 channel" "--fp8 block"; do
+    # shellcheck disable=SC2086
+    python3 benchmarks/sweep_skinny_gemm.py --seconds 16 $kind 2>&1 | tee -a "$LOG_DIR/sweeps.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+  python3 benchmarks/sweep_attention.py --cases 64x1024,1x1024 --prefill 4096 --seconds 30 2>&1 \
+    | tee -a "$LOG_DIR/sweeps.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  { echo; echo "## sweeps (tables to paste: see sweeps.log)"; grep -E "TUNED_LAUNCH|^prefill|^batch" \
+    "$LOG_DIR/sweeps.log"; } >> "$summary"
 fi
 cp benchmarks/RESULTS.md "$LOG_DIR/RESULTS.md" 2>/dev/null
 cat "$summary"

@@ -3,8 +3,8 @@
 Builds the engine on a benchmark config with dummy weights, then for each batch size: the wall
 ms/step (as latency.py measures it), the GPU kernel time per step from a profiler trace of
 `--steps` decode steps (a gap between the two is time the GPU waits for the host), the top
-kernels by GPU time, and the top host functions by self time. Tables and a Chrome trace per
-batch size go to --out-dir. `--prefill-len N` also profiles one N-token prefill step.
+kernels by GPU time, and the top host functions by self time. Tables (a Chrome trace too with
+--trace) per batch size go to --out-dir. `--prefill-len N` also profiles one N-token prefill step.
 
     python benchmarks/profile_decode.py --model llama3-8b --batch-sizes 1,64 --out-dir /tmp/prof
     python benchmarks/profile_decode.py --quantization fp8 --batch-sizes 1 --prefill-len 4096
