@@ -9,7 +9,7 @@
 # Knobs: BENCH_MODEL (a folder of benchmarks/configs, default llama3-8b), LATENCY_ARGS,
 # THROUGHPUT_ARGS (extra flags), SUITE_STAGES (any of: tests latency throughput startup fp8
 # deepseek profile sweeps; default the first three). `sweeps` runs the launch sweeps of the
-# skinny GEMM (bf16, FP8 per-channel and block) and the attention kernel: paste their tables.
+# skinny GEMM and the attention kernel: paste their tables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=${OUT:-benchmarks/logs}
@@ -93,11 +93,8 @@ if [[ " $STAGES " == *" profile "* ]]; then
   { echo; echo "## decode profile"; grep -E "^batch" "$LOG_DIR/profile.log"; } >> "$summary"
 fi
 if [[ " $STAGES " == *" sweeps "* ]]; then
-  for kind in "" "--fp8 channel" "--fp8 block"; do
-    # shellcheck disable=SC2086
-    python3 benchmarks/sweep_skinny_gemm.py --seconds 16 $kind 2>&1 | tee -a "$LOG_DIR/sweeps.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  done
+  python3 benchmarks/sweep_skinny_gemm.py --seconds 16 2>&1 | tee -a "$LOG_DIR/sweeps.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   python3 benchmarks/sweep_attention.py --cases 64x1024,1x1024 --prefill 4096 --seconds 30 2>&1 \
     | tee -a "$LOG_DIR/sweeps.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
