@@ -1,7 +1,8 @@
 """FP8 GEMM kernels against cuBLASLt (`torch._scaled_mm`, row-wise scales) in the same run.
 
 For the Llama-3-8B and -70B linear layers (qkv, o, gate_up, down) and M in {1 ... 8192}: our
-per-token x per-channel CUTLASS GEMM vs cuBLASLt (TFLOP/s and ratio, geometric mean), and our
+per-token x per-channel GEMM op (CUTLASS, or the skinny Triton GEMM on the decode shapes its
+table holds: cfg "triton") vs cuBLASLt (TFLOP/s and ratio, geometric mean), and our
 block-scaled GEMM vs our per-channel one. Each case is checked against cuBLASLt's output first.
 
 Timing: every kernel runs inside a CUDA graph of `--calls` launches (so host overhead, which
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_utils
 
 from v1_engine.kernels import fp8, fp8_cutlass
+from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
 
 M_VALUES = (1, 16, 64, 128, 256, 512, 1024, 4096, 8192)
 L2_BYTES = 60 * 2**20
@@ -102,15 +104,18 @@ def cublas_fn(case: Case, fast_accum: bool) -> Callable[[torch.Tensor], torch.Te
 
 
 def ours_fn(case: Case, config: int | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The `scaled_mm` op as the engine calls it (the skinny Triton GEMM on the decode shapes
+    its table holds, CUTLASS elsewhere); a CUTLASS tile config when `config` is given (tuning)."""
+    if config is None:
+        return lambda w: fp8.scaled_mm(case.a, w, case.sa, case.sb, torch.bfloat16)
     return lambda w: fp8_cutlass.scaled_mm_cutlass(
         case.a, w, case.sa, case.sb, torch.bfloat16, config=config
     )
 
 
 def block_fn(case: Case) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda w: fp8_cutlass.block_scaled_mm_cutlass(
-        case.a, w, case.block_sa, case.block_sb, torch.bfloat16
-    )
+    """The `block_scaled_mm` op as the engine calls it."""
+    return lambda w: fp8.block_scaled_mm(case.a, w, case.block_sa, case.block_sb, torch.bfloat16)
 
 
 def graph_time_ms(fn: Callable, weights: list[torch.Tensor], calls: int, repeat: int) -> float:
@@ -163,7 +168,11 @@ def run_comparison(args: argparse.Namespace) -> list[dict]:
                 "m": m,
                 "n": shape.n,
                 "k": shape.k,
-                "config": fp8_cutlass.scaled_mm_config(m),
+                "config": (
+                    "triton"
+                    if fp8_skinny.prefers_fp8_skinny("channel", m, shape.n, shape.k)
+                    else fp8_cutlass.scaled_mm_config(m)
+                ),
                 "ours": case.flops / (t_ours * 1e-3) / 1e12,
                 "cublas": case.flops / (t_cublas * 1e-3) / 1e12,
                 "block": case.flops / (t_block * 1e-3) / 1e12,

@@ -1,17 +1,22 @@
-"""Launch-configuration sweep of the skinny Triton GEMM (kernels/triton_gemv.py) against cuBLAS.
+"""Launch-configuration sweep of the skinny Triton GEMMs (kernels/triton_gemv.py, bf16, and
+kernels/triton_gemv_fp8.py, FP8) against the kernels they replace.
 
-For each Llama-3-8B linear shape and decode batch M, times F.linear (cuBLAS) and every launch
-config of the skinny kernel (body, column tile, K step, warps, stages), each as 10 calls captured
-in one CUDA graph (how decode runs them) and replayed under triton.testing.do_bench. The calls
-cycle over enough copies of the weight that none is served from L2 (as consecutive layers are
-not). Every config's output is checked against cuBLAS's before it is timed. Prints cuBLAS and the
-best config per shape and M as achieved weight bandwidth against the HBM roofline, then the
-`TUNED_LAUNCH` table for triton_gemv.py (None where cuBLAS stays faster).
+For each Llama-3-8B linear shape and decode batch M, times the baseline (bf16: F.linear, i.e.
+cuBLAS; `--fp8 channel`: the CUTLASS per-token x per-channel scaled_mm; `--fp8 block`: the
+CUTLASS 1x128 / 128x128 block-scaled GEMM) and every launch config of the skinny kernel (body,
+column tile, K step, warps, stages), each as 10 calls captured in one CUDA graph (how decode runs
+them) and replayed under triton.testing.do_bench. The calls cycle over enough copies of the
+weight that none is served from L2 (as consecutive layers are not). Every config's output is
+checked against the baseline's before it is timed. Prints the baseline and the best config per
+shape and M as achieved weight bandwidth against the HBM roofline, then the `TUNED_LAUNCH` table
+for triton_gemv.py (`FP8_TUNED_LAUNCH[kind]` for triton_gemv_fp8.py; None where the baseline
+stays faster).
 
 All configs are compiled first, in parallel processes (Triton's on-disk cache carries them over);
 then each shape gets a time budget, most promising configs first.
 
     python benchmarks/sweep_skinny_gemm.py --seconds 20
+    python benchmarks/sweep_skinny_gemm.py --fp8 channel --shapes qkv,o_proj,gate_up,down
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_utils import HBM_BYTES_PER_S
 
-from v1_engine.kernels import triton_gemv
+from v1_engine.kernels import fp8, fp8_cutlass, triton_gemv
+from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
 
 SHAPES = {  # name: (N, K) of Llama-3-8B's linears
     "qkv": (6144, 4096),
@@ -54,12 +60,31 @@ FMA_MAX_M = 4
 """The fma body keeps M rows of partial products in registers: only small M."""
 
 
-def dot_configs() -> list[dict]:
+KINDS = ("bf16", "channel", "block")
+"""bf16: triton_gemv vs cuBLAS; channel / block: triton_gemv_fp8's kinds vs CUTLASS."""
+
+
+def element_bytes(kind: str) -> int:
+    return 2 if kind == "bf16" else 1
+
+
+def block_ks(kind: str, fma: bool) -> tuple[int, ...]:
+    """K steps, most promising first: the block kind steps one 128-wide scale group."""
+    if kind == "block":
+        return (fp8_skinny.SCALE_GROUP,)
+    if kind == "channel":
+        return (512, 1024, 256)
+    return (512, 256, 1024) if fma else (256, 128, 512)
+
+
+def dot_configs(kind: str) -> list[dict]:
     """Tensor-core bodies, most promising first; pipeline buffers must fit shared memory."""
-    space = itertools.product((4, 3, 6), (256, 128, 512), (16, 32, 64), (4, 8), ("dot_swap", "dot"))
+    space = itertools.product(
+        (4, 3, 6), block_ks(kind, fma=False), (16, 32, 64), (4, 8), ("dot_swap", "dot")
+    )
     configs = []
     for stages, block_k, block_n, warps, mode in space:
-        if stages * (block_n + 16) * block_k * 2 <= SMEM_BYTES:
+        if stages * (block_n + 16) * block_k * element_bytes(kind) <= SMEM_BYTES:
             configs.append(
                 {
                     "mode": mode,
@@ -72,13 +97,14 @@ def dot_configs() -> list[dict]:
     return configs
 
 
-def fma_configs() -> list[dict]:
+def fma_configs(kind: str) -> list[dict]:
     """Broadcast multiply-reduce bodies: at most 64 float32 accumulators per thread at M = 4."""
-    space = itertools.product((4, 3, 6), (512, 256, 1024), (8, 16, 4, 32), (4, 8))
+    space = itertools.product((4, 3, 6), block_ks(kind, fma=True), (8, 16, 4, 32), (4, 8))
     configs = []
     for stages, block_k, block_n, warps in space:
         fits_registers = FMA_MAX_M * block_n * block_k <= 64 * 32 * warps
-        if fits_registers and stages * (block_n + FMA_MAX_M) * block_k * 2 <= SMEM_BYTES:
+        smem = stages * (block_n + FMA_MAX_M) * block_k * element_bytes(kind)
+        if fits_registers and smem <= SMEM_BYTES:
             configs.append(
                 {
                     "mode": "fma",
@@ -106,17 +132,20 @@ def applies(launch: dict, m: int) -> bool:
     return launch["mode"] != "fma" or m <= FMA_MAX_M
 
 
-def _compile_one(job: tuple[int, dict]) -> str | None:
-    """Worker: compile one (M, config) into Triton's cache; the error text if it fails."""
-    m, launch = job
+def _compile_one(job: tuple[str, int, dict]) -> str | None:
+    """Worker: compile one (kind, M, config) into Triton's cache; the error text if it fails."""
+    kind, m, launch = job
     try:
-        triton_gemv.precompile(torch.bfloat16, m, 4096, 4096, **launch)
+        if kind == "bf16":
+            triton_gemv.precompile(torch.bfloat16, m, 4096, 4096, **launch)
+        else:
+            fp8_skinny.precompile_fp8(kind, torch.bfloat16, m, 4096, 4096, **launch)
     except Exception as error:  # noqa: BLE001 - any compiler rejection just drops this config
         return f"{launch}: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
     return None
 
 
-def precompile_all(configs: list[dict], ms: list[int], workers: int) -> None:
+def precompile_all(kind: str, configs: list[dict], ms: list[int], workers: int) -> None:
     """Compile every config for every distinct BLOCK_M (dot bodies pad M to 16; fma rounds M up
     to a power of two). N and K only matter to the kernel through their divisibility by 16,
     which every swept shape shares, so one compile serves all shapes."""
@@ -125,7 +154,7 @@ def precompile_all(configs: list[dict], ms: list[int], workers: int) -> None:
         buckets = {triton_gemv.m_bucket(m) for m in ms if applies(launch, m)}
         if launch["mode"] != "fma":
             buckets = set(list(buckets)[:1])
-        jobs += [(bucket, launch) for bucket in sorted(buckets)]
+        jobs += [(kind, bucket, launch) for bucket in sorted(buckets)]
     start = time.perf_counter()
     if workers > 0:
         context = multiprocessing.get_context("spawn")
@@ -159,25 +188,81 @@ def graph_us(call, weights: list[torch.Tensor]) -> float:
     return ms * 1e3 / CALLS
 
 
-def rate(us: float, m: int, n: int, k: int) -> float:
-    """Bytes per second: the weight plus x and the output, once each."""
-    return 2 * (n * k + m * k + m * n) / (us * 1e-6)
+def rate(kind: str, us: float, m: int, n: int, k: int) -> float:
+    """Bytes per second: the weight plus x (both e4m3 in the FP8 kinds) and the bf16 output,
+    once each."""
+    return (element_bytes(kind) * (n * k + m * k) + 2 * m * n) / (us * 1e-6)
 
 
-def matches(launch: dict, x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> bool:
-    out = triton_gemv.skinny_gemm(x, w, **launch)
+class Problem:
+    """One shape's operands: rotating weight copies, activations per M, and the two calls timed
+    (the baseline and the skinny kernel with a launch config) on a given weight copy."""
+
+    def __init__(self, kind: str, n: int, k: int, ms: list[int]) -> None:
+        self.kind = kind
+        copies = min(CALLS, max(1, math.ceil(4 * L2_BYTES / (element_bytes(kind) * n * k))))
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
+        if kind == "bf16":
+            self.weights = [w] + [w.clone() for _ in range(copies - 1)]
+            self.xs = xs
+            return
+        if kind == "channel":
+            qw, self.scale_w = fp8.per_token_fp8_quant(w)
+            self.xs = {m: fp8.per_token_fp8_quant(x) for m, x in xs.items()}
+        else:
+            qw, self.scale_w = block_quantize(w)
+            self.xs = {m: fp8.per_token_group_fp8_quant(x, 128) for m, x in xs.items()}
+        self.weights = [qw] + [qw.clone() for _ in range(copies - 1)]
+
+    def baseline(self, m: int, w: torch.Tensor) -> torch.Tensor:
+        if self.kind == "bf16":
+            return F.linear(self.xs[m], w)
+        a, scale_a = self.xs[m]
+        if self.kind == "channel":
+            return fp8_cutlass.scaled_mm_cutlass(a, w, scale_a, self.scale_w, torch.bfloat16)
+        return fp8_cutlass.block_scaled_mm_cutlass(a, w, scale_a, self.scale_w, torch.bfloat16)
+
+    def skinny(self, m: int, w: torch.Tensor, launch: dict) -> torch.Tensor:
+        if self.kind == "bf16":
+            return triton_gemv.skinny_gemm(self.xs[m], w, **launch)
+        a, scale_a = self.xs[m]
+        if self.kind == "channel":
+            return fp8_skinny.fp8_skinny_gemm(a, w, scale_a, self.scale_w, torch.bfloat16, **launch)
+        return fp8_skinny.fp8_block_skinny_gemm(
+            a, w, scale_a, self.scale_w, torch.bfloat16, **launch
+        )
+
+    def default_launch(self, m: int, n: int, k: int) -> dict:
+        if self.kind == "bf16":
+            return triton_gemv.launch_config(m, n, k)
+        return fp8_skinny.fp8_launch_config(self.kind, m, n, k)
+
+
+def block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 w [N, K] (N, K multiples of 128) with one float32 scale per 128 x 128 block."""
+    n, k = w.shape
+    blocks = w.float().reshape(n // 128, 128, k // 128, 128)
+    scale = (blocks.abs().amax(dim=(1, 3)) / fp8.FP8_MAX).clamp(min=fp8.FP8_MIN_SCALE)
+    q = fp8.quantize_with_scale(blocks, scale[:, None, :, None]).reshape(n, k)
+    return q, scale
+
+
+def matches(problem: Problem, m: int, launch: dict, ref: torch.Tensor) -> bool:
+    out = problem.skinny(m, problem.weights[0], launch)
     scale = ref.float().abs().amax().item()
     return torch.allclose(out.float(), ref.float(), rtol=2**-7, atol=scale * 2**-7)
 
 
-def sweep_shape(name: str, n: int, k: int, ms: list[int], configs: list[dict], seconds: float):
-    """Per M: (cuBLAS us, [(us, launch) of the skinny configs]) within `seconds`."""
-    copies = min(CALLS, max(1, math.ceil(4 * L2_BYTES / (2 * n * k))))
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-    xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
-    refs = {m: F.linear(xs[m], weights[0]) for m in ms}
-    results = {m: (graph_us(lambda w, m=m: F.linear(xs[m], w), weights), []) for m in ms}
-    default = {m: triton_gemv.launch_config(m, n, k) for m in ms}
+def sweep_shape(
+    kind: str, name: str, n: int, k: int, ms: list[int], configs: list[dict], seconds: float
+):
+    """Per M: (baseline us, [(us, tag, launch) of the skinny configs]) within `seconds`."""
+    problem = Problem(kind, n, k, ms)
+    weights = problem.weights
+    refs = {m: problem.baseline(m, weights[0]) for m in ms}
+    results = {m: (graph_us(lambda w, m=m: problem.baseline(m, w), weights), []) for m in ms}
+    default = {m: problem.default_launch(m, n, k) for m in ms}
     start, tried = time.perf_counter(), 0
     for launch in [None, *configs]:
         if time.perf_counter() - start > seconds:
@@ -188,29 +273,29 @@ def sweep_shape(name: str, n: int, k: int, ms: list[int], configs: list[dict], s
             if not applies(chosen, m):
                 continue
             try:
-                if not matches(chosen, xs[m], weights[0], refs[m]):
+                if not matches(problem, m, chosen, refs[m]):
                     print(f"  {name} M={m}: WRONG RESULT from {chosen}", flush=True)
                     continue
-                us = graph_us(
-                    lambda w, m=m, c=chosen: triton_gemv.skinny_gemm(xs[m], w, **c), weights
-                )
+                us = graph_us(lambda w, m=m, c=chosen: problem.skinny(m, w, c), weights)
             except Exception as error:  # noqa: BLE001 - out of resources, compiler errors: skip
                 print(f"  {name} M={m}: skipped {chosen}: {type(error).__name__}", flush=True)
                 continue
             results[m][1].append((us, "default" if launch is None else "", chosen))
     print(f"{name} (N={n}, K={k}): {tried} of {len(configs) + 1} configs timed", flush=True)
-    del weights
+    weights.clear()  # the copies go before the next shape allocates its own
     torch.cuda.empty_cache()
     return results
 
 
-def report(name: str, n: int, k: int, results: dict) -> dict:
-    """Prints cuBLAS vs the skinny kernel per M; returns the TUNED_LAUNCH entries of the shape."""
+def report(kind: str, name: str, n: int, k: int, results: dict) -> dict:
+    """Prints the baseline vs the skinny kernel per M; returns the table entries of the shape."""
     table = {}
+    base_name = "cuBLAS" if kind == "bf16" else "CUTLASS"
     for m, (cublas, timed) in results.items():
         timed.sort(key=lambda r: r[0])
         line = (
-            f"  {name:8s} M={m:2d}  cuBLAS {cublas:7.1f} us {rate(cublas, m, n, k) / 1e12:.2f} TB/s"
+            f"  {name:8s} M={m:2d}  {base_name} {cublas:7.1f} us "
+            f"{rate(kind, cublas, m, n, k) / 1e12:.2f} TB/s"
         )
         if not timed:
             print(line + "  (no skinny config ran)", flush=True)
@@ -218,8 +303,9 @@ def report(name: str, n: int, k: int, results: dict) -> dict:
             continue
         us, tag, launch = timed[0]
         default = next((t for t in timed if t[1] == "default"), None)
-        line += f" | skinny {us:7.1f} us {rate(us, m, n, k) / 1e12:.2f} TB/s"
-        line += f" ({rate(us, m, n, k) / HBM_BYTES_PER_S:.0%}) x{cublas / us:.2f} {tag} {launch}"
+        achieved = rate(kind, us, m, n, k)
+        line += f" | skinny {us:7.1f} us {achieved / 1e12:.2f} TB/s"
+        line += f" ({achieved / HBM_BYTES_PER_S:.0%}) x{cublas / us:.2f} {tag} {launch}"
         if default is not None:
             line += f" | default {default[0]:.1f} us"
         print(line, flush=True)
@@ -234,7 +320,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="timing budget per shape")
     parser.add_argument("--modes", default=",".join(triton_gemv.MODES))
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
+    parser.add_argument(
+        "--fp8",
+        choices=("channel", "block"),
+        default=None,
+        help="sweep the FP8 skinny GEMM of this kind against CUTLASS (default: bf16 vs cuBLAS)",
+    )
     args = parser.parse_args()
+    kind = args.fp8 or "bf16"
     if not torch.cuda.is_available():
         raise SystemExit("sweep_skinny_gemm.py needs a CUDA GPU")
     names = [s for s in args.shapes.split(",") if s]
@@ -245,16 +338,18 @@ def main() -> None:
     if not all(1 <= m <= triton_gemv.SKINNY_MAX_M for m in ms):
         raise SystemExit(f"--m: batch sizes must be in 1..{triton_gemv.SKINNY_MAX_M}")
     modes = set(args.modes.split(","))
-    configs = [c for c in interleave(dot_configs(), fma_configs()) if c["mode"] in modes]
+    configs = interleave(dot_configs(kind), fma_configs(kind))
+    configs = [c for c in configs if c["mode"] in modes]
     torch.manual_seed(0)
     begin = time.perf_counter()
-    precompile_all(configs, ms, args.workers)
+    precompile_all(kind, configs, ms, args.workers)
     table = {}
     for name in names:
         n, k = SHAPES[name]
-        table |= report(name, n, k, sweep_shape(name, n, k, ms, configs, args.seconds))
+        results = sweep_shape(kind, name, n, k, ms, configs, args.seconds)
+        table |= report(kind, name, n, k, results)
     print(f"\nsuggested table ({time.perf_counter() - begin:.0f} s in all):")
-    print("TUNED_LAUNCH = {")
+    print("TUNED_LAUNCH = {" if kind == "bf16" else f"FP8_TUNED_LAUNCH[{kind!r}] = {{")
     for key, launch in table.items():
         print(f"    {key}: {launch},")
     print("}")

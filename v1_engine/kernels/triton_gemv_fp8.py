@@ -1,0 +1,423 @@
+"""Skinny FP8 GEMMs in Triton for decode-sized M (1..16): the CUDA bodies of `v1_engine::scaled_mm`
+and `v1_engine::block_scaled_mm` (fp8.py) run them on the shapes FP8_TUNED_LAUNCH holds.
+
+At decode sizes an FP8 linear only streams its e4m3 weight from HBM; the CUTLASS kernels, tiled
+for large M, read it well below bandwidth there. Here, as in the bf16 skinny GEMM (triton_gemv.py,
+whose launch keys, bodies and helpers this module shares), each program owns BLOCK_N rows of the
+weight and walks the whole of K with pipelined loads: one kernel per linear, no split-K, no
+atomics. The e4m3 operands are upcast in registers to float16 (exact: every e4m3 value is an
+fp16 value, and products of two are exact in the float32 accumulator) for the tensor-core bodies,
+to float32 for the fma body. Two kinds:
+
+- "channel" (`fp8_skinny_gemm`): out = (a @ b^T) * scale_a[m or 0] * scale_b[n or 0] (+ bias),
+  scales applied once in the epilogue in scaled_mm_ref's order;
+- "block" (`fp8_block_skinny_gemm`, DeepSeek-V3 layout): K is walked one 128-wide scale group per
+  step and each step's float32 partial product is scaled by scale_a[m, kb] * scale_b[n // 128, kb]
+  before it is added to the accumulator.
+
+Nothing changes until a shape is measured: the ops keep CUTLASS for every shape without an entry
+in FP8_TUNED_LAUNCH (`benchmarks/sweep_skinny_gemm.py --fp8 channel|block` prints the entries),
+and V1ENGINE_SKINNY_GEMM=0 (triton_gemv.SKINNY_GEMM_ENABLED) keeps them on CUTLASS everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from v1_engine.kernels import triton_gemv
+from v1_engine.kernels.triton_gemv import _dot, m_bucket
+
+KINDS = ("channel", "block")
+SCALE_GROUP = 128
+"""K (and N) extent of one block scale; the block kind's K step is exactly one group."""
+
+FP8_DTYPE = torch.float8_e4m3fn
+OUT_DTYPES = (torch.bfloat16, torch.float16)
+_ALIGN_BYTES = 16
+"""Rows of e4m3 operands must start 16-byte aligned for vector loads: K and a's row stride are
+multiples of 16 elements."""
+
+FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | None]] = {
+    "channel": {},
+    "block": {},
+}
+"""Measured launch configs per kind, keyed by (M bucket, N, K) as triton_gemv.TUNED_LAUNCH; None
+marks a shape where the CUTLASS kernel measured faster. Empty until the H200 sweep
+(`python benchmarks/sweep_skinny_gemm.py --fp8 channel` / `--fp8 block`) is pasted here: the ops
+run the Triton kernel only for shapes with an entry."""
+
+
+@triton.jit
+def _load_operands(
+    a_ptrs, b_ptrs, m_mask, n_mask, k_mask, MODE: tl.constexpr, DOT_F32: tl.constexpr
+):
+    """One K step of a [BLOCK_M, BLOCK_K] and b [BLOCK_N, BLOCK_K], upcast from e4m3 (exact):
+    to float16 for the tensor-core bodies, to float32 for the fma body and the interpreter. The
+    weight streams through once (evict first); the activations are reread by every program."""
+    b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_first")
+    a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_last")
+    if DOT_F32 or MODE == 2:
+        return a.to(tl.float32), b.to(tl.float32)
+    return a.to(tl.float16), b.to(tl.float16)
+
+
+@triton.jit
+def _tile_dot(a, b, MODE: tl.constexpr, DOT_F32: tl.constexpr):
+    """a @ b^T on tensor cores in float32, as [BLOCK_M, BLOCK_N] ("dot") or [BLOCK_N, BLOCK_M]
+    ("dot_swap", the weight tile as the left operand)."""
+    if MODE == 0:
+        return _dot(a, tl.trans(b), DOT_F32)
+    return _dot(b, tl.trans(a), DOT_F32)
+
+
+@triton.jit
+def _store_rows(out_ptr, result, offs_m, offs_n, m_mask, n_mask, stride_om):
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "stride_sa", "stride_sb"])
+def _fp8_skinny_kernel(
+    a_ptr,
+    b_ptr,
+    scale_a_ptr,
+    scale_b_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_om,
+    stride_sa,
+    stride_sb,
+    HAS_BIAS: tl.constexpr,
+    MODE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Per-tensor/per-channel kind: one program per BLOCK_N output columns over all of K; scale
+    strides are 0 for a per-tensor scale."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+    if MODE == 0:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif MODE == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # An explicit num_stages on the loop pipelines the loads even where no tl.dot consumes them.
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k_mask = offs_k[None, :] < K - k
+        a, b = _load_operands(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, MODE, DOT_F32)
+        if MODE == 2:
+            acc += a[:, None, :] * b[None, :, :]
+        else:
+            acc += _tile_dot(a, b, MODE, DOT_F32)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if MODE == 0:
+        result = acc
+    elif MODE == 1:
+        result = tl.trans(acc)
+    else:
+        result = tl.sum(acc, axis=2)
+    scale_a = tl.load(scale_a_ptr + offs_m * stride_sa, mask=m_mask, other=0.0)
+    scale_b = tl.load(scale_b_ptr + offs_n * stride_sb, mask=n_mask, other=0.0)
+    result = result * scale_a[:, None] * scale_b[None, :]
+    if HAS_BIAS:
+        result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    _store_rows(out_ptr, result, offs_m, offs_n, m_mask, n_mask, stride_om)
+
+
+@triton.jit(do_not_specialize=["M", "stride_sam", "stride_sak", "stride_sbn", "stride_sbk"])
+def _fp8_block_skinny_kernel(
+    a_ptr,
+    b_ptr,
+    scale_a_ptr,
+    scale_b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_om,
+    stride_sam,
+    stride_sak,
+    stride_sbn,
+    stride_sbk,
+    MODE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Block-scaled kind: BLOCK_K is the scale group and BLOCK_N divides it, so each step's weight
+    tile has one scale (scale_b[n // BLOCK_K, kb]) and each activation row one (scale_a[m, kb])."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+    scale_a_ptrs = scale_a_ptr + offs_m * stride_sam
+    scale_b_ptr += (pid * BLOCK_N // BLOCK_K) * stride_sbn
+    if MODE == 0:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif MODE == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for kb in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
+        k_mask = offs_k[None, :] < K - kb * BLOCK_K
+        a, b = _load_operands(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, MODE, DOT_F32)
+        scale_a = tl.load(scale_a_ptrs + kb * stride_sak, mask=m_mask, other=0.0)
+        scale_b = tl.load(scale_b_ptr + kb * stride_sbk)
+        if MODE == 0:
+            acc += _tile_dot(a, b, MODE, DOT_F32) * scale_a[:, None] * scale_b
+        elif MODE == 1:
+            acc += _tile_dot(a, b, MODE, DOT_F32) * scale_a[None, :] * scale_b
+        else:
+            # Both scales are constant over the step: folded into the activation row (one float32
+            # rounding per element) so the products still sum over K only once, at the end.
+            a = a * (scale_a * scale_b)[:, None]
+            acc += a[:, None, :] * b[None, :, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if MODE == 0:
+        result = acc
+    elif MODE == 1:
+        result = tl.trans(acc)
+    else:
+        result = tl.sum(acc, axis=2)
+    _store_rows(out_ptr, result, offs_m, offs_n, m_mask, n_mask, stride_om)
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def default_fp8_launch(kind: str, m: int, n: int, k: int) -> dict[str, int | str]:
+    """Launch config for shapes the sweep has not measured (explicit calls only; the ops keep
+    CUTLASS there): the bf16 default's column tiles, with a K step of as many bytes (512 e4m3
+    values) for the channel kind and one scale group for the block kind."""
+    _check_kind(kind)
+    config = triton_gemv.default_launch(m, n, k)
+    if kind == "channel":
+        return config | {"block_k": 512}
+    return config | {"block_k": SCALE_GROUP, "num_stages": 6}
+
+
+def fp8_launch_config(kind: str, m: int, n: int, k: int) -> dict[str, int | str]:
+    """The launch config of an M x N x K FP8 skinny GEMM: FP8_TUNED_LAUNCH's entry, else the
+    default."""
+    _check_kind(kind)
+    tuned = FP8_TUNED_LAUNCH[kind].get((m_bucket(m), n, k))
+    return dict(tuned or default_fp8_launch(kind, m, n, k))
+
+
+def resolve_fp8_launch(
+    kind: str, m: int, n: int, k: int, launch: dict[str, int | str]
+) -> dict[str, int | str]:
+    """`fp8_launch_config` with the `launch` overrides applied; raises ValueError naming a key
+    that is unknown or out of range (triton_gemv's rules, plus block_k == 128 and
+    block_n <= 128 for the block kind)."""
+    config = fp8_launch_config(kind, m, n, k) | launch
+    # A complete config overrides every key of triton_gemv's own default, so this only checks.
+    config = triton_gemv.resolve_launch(m, n, k, config)
+    if kind == "block":
+        if config["block_k"] != SCALE_GROUP:
+            raise ValueError(
+                f"launch block_k must be {SCALE_GROUP} (one scale group) for the block kind, "
+                f"got {config['block_k']!r}"
+            )
+        if config["block_n"] > SCALE_GROUP:
+            raise ValueError(
+                f"launch block_n must be <= {SCALE_GROUP} for the block kind (one weight scale "
+                f"per tile), got {config['block_n']!r}"
+            )
+    return config
+
+
+def prefers_fp8_skinny(kind: str, m: int, n: int, k: int) -> bool:
+    """True only where the skinny GEMMs are enabled (V1ENGINE_SKINNY_GEMM) and FP8_TUNED_LAUNCH
+    holds a measured config for the shape: every other shape stays on CUTLASS."""
+    _check_kind(kind)
+    if not triton_gemv.SKINNY_GEMM_ENABLED:
+        return False
+    return FP8_TUNED_LAUNCH[kind].get((m_bucket(m), n, k)) is not None
+
+
+def fits_fp8_skinny(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether the kernels take these operands: 1..SKINNY_MAX_M rows of 2-D e4m3 a and b, a
+    contiguous weight, K-contiguous activations, 16-byte aligned rows (vector loads) and a
+    contiguous bias. Scales may have any strides (the kernels read them through strides)."""
+    if a.dim() != 2 or b.dim() != 2 or not 1 <= a.shape[0] <= triton_gemv.SKINNY_MAX_M:
+        return False
+    if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
+        return False
+    k = a.shape[1]
+    if b.shape[1] != k or not b.is_contiguous() or a.stride(1) != 1:
+        return False
+    if k % _ALIGN_BYTES or (a.shape[0] > 1 and a.stride(0) % _ALIGN_BYTES):
+        return False
+    if a.data_ptr() % _ALIGN_BYTES or b.data_ptr() % _ALIGN_BYTES:
+        return False
+    return bias is None or (bias.shape == (b.shape[0],) and bias.is_contiguous())
+
+
+def _vector_stride(scale: torch.Tensor) -> int:
+    """Element stride between consecutive values of a scale holding one value ([1], [1, 1]: 0,
+    broadcast) or one per row/column ([M], [M, 1], [1, M]), read in place (no copy)."""
+    if scale.numel() == 1:
+        return 0
+    long_dims = [d for d in range(scale.dim()) if scale.shape[d] > 1]
+    assert len(long_dims) == 1, f"scale of shape {tuple(scale.shape)} is not a vector"
+    return scale.stride(long_dims[0])
+
+
+def _interpreting() -> bool:
+    return triton_gemv._interpreting()
+
+
+def _constexprs(m: int, config: dict[str, int | str]) -> dict[str, int | bool]:
+    """Compile-time arguments and launch options shared by both kernels."""
+    mode = triton_gemv._MODE_IDS[config["mode"]]
+    dot_rows = triton_gemv._DOT_ROWS
+    return {
+        "MODE": mode,
+        "DOT_F32": _interpreting(),
+        "BLOCK_M": m_bucket(m) if mode == 2 else max(dot_rows, m_bucket(m)),
+        "BLOCK_N": config["block_n"],
+        "BLOCK_K": config["block_k"],
+        "NUM_STAGES": config["num_stages"],
+        "num_warps": config["num_warps"],
+        "num_stages": config["num_stages"],
+    }
+
+
+def _check_out_dtype(out_dtype: torch.dtype) -> None:
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+
+
+def fp8_skinny_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    **launch: int | str,
+) -> torch.Tensor:
+    """out [M, N] = (a @ b^T) * scale_a * scale_b (+ bias) in out_dtype, float32 accumulation.
+
+    a e4m3 [M, K] (K contiguous), b e4m3 [N, K] contiguous, scale_a fp32 with 1 or M values,
+    scale_b fp32 with 1 or N values, bias [N]. Any M works but the kernel is meant for
+    M <= SKINNY_MAX_M. `launch` overrides keys of `fp8_launch_config` (tuning). Arguments are
+    validated by fp8.scaled_mm; here only internal invariants are asserted.
+    """
+    _check_out_dtype(out_dtype)
+    m, k = a.shape
+    n = b.shape[0]
+    assert b.shape[1] == k and a.stride(1) == 1 and b.stride(1) == 1
+    assert scale_a.numel() in (1, m) and scale_b.numel() in (1, n)
+    config = resolve_fp8_launch("channel", m, n, k, launch)
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    _fp8_skinny_kernel[(triton.cdiv(n, config["block_n"]),)](
+        a,
+        b,
+        scale_a,
+        scale_b,
+        bias if bias is not None else out,
+        out,
+        m,
+        n,
+        k,
+        a.stride(0),
+        b.stride(0),
+        out.stride(0),
+        _vector_stride(scale_a),
+        _vector_stride(scale_b),
+        HAS_BIAS=bias is not None,
+        **_constexprs(m, config),
+    )
+    return out
+
+
+def fp8_block_skinny_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    **launch: int | str,
+) -> torch.Tensor:
+    """out [M, N] in out_dtype from block-scaled e4m3 operands: scale_a fp32 [M, ceil(K/128)]
+    (per 1x128 group), scale_b fp32 [ceil(N/128), ceil(K/128)] (per 128x128 block); K and N
+    may end in a partial group. `launch` overrides keys of `fp8_launch_config` (tuning)."""
+    _check_out_dtype(out_dtype)
+    m, k = a.shape
+    n = b.shape[0]
+    groups_k = triton.cdiv(k, SCALE_GROUP)
+    assert b.shape[1] == k and a.stride(1) == 1 and b.stride(1) == 1
+    assert scale_a.shape == (m, groups_k)
+    assert scale_b.shape == (triton.cdiv(n, SCALE_GROUP), groups_k)
+    config = resolve_fp8_launch("block", m, n, k, launch)
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    _fp8_block_skinny_kernel[(triton.cdiv(n, config["block_n"]),)](
+        a,
+        b,
+        scale_a,
+        scale_b,
+        out,
+        m,
+        n,
+        k,
+        a.stride(0),
+        b.stride(0),
+        out.stride(0),
+        *scale_a.stride(),
+        *scale_b.stride(),
+        **_constexprs(m, config),
+    )
+    return out
+
+
+def precompile_fp8(
+    kind: str, out_dtype: torch.dtype, m: int, n: int, k: int, **launch: int | str
+) -> None:
+    """Compile (into Triton's cache) the kernel the `kind` GEMM would launch for contiguous,
+    16-byte aligned operands of this shape without launching it (bias-free for the channel
+    kind): lets a tuning sweep compile its configurations in parallel processes. Scale strides
+    are never specialized, so one compile serves every scale granularity."""
+    config = resolve_fp8_launch(kind, m, n, k, launch)
+    constexprs = _constexprs(m, config)
+    fp8, fp32 = FP8_DTYPE, torch.float32
+    if kind == "channel":
+        args = (fp8, fp8, fp32, fp32, out_dtype, out_dtype, m, n, k, k, k, n, 1, 1)
+        _fp8_skinny_kernel.warmup(*args, grid=(1,), HAS_BIAS=False, **constexprs)
+    else:
+        groups_k = triton.cdiv(k, SCALE_GROUP)
+        args = (fp8, fp8, fp32, fp32, out_dtype, m, n, k, k, k, n, groups_k, 1, groups_k, 1)
+        _fp8_block_skinny_kernel.warmup(*args, grid=(1,), **constexprs)
