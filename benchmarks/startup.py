@@ -13,6 +13,7 @@ torch, triton, transformers and v1engine into a private cache (`PYTHONPYCACHEPRE
 install would, and both starts use it; `--no-prime-bytecode` measures without it.
 
     python benchmarks/startup.py --model llama3-8b --append
+    python benchmarks/startup.py --profile-warm /tmp/warm.prof.txt   # + where a warm start goes
 """
 
 from __future__ import annotations
@@ -31,12 +32,24 @@ from bench_utils import append_results, model_dir
 REPO = Path(__file__).resolve().parent.parent
 
 _CHILD = r"""
-import json, sys, time
+import cProfile, io, json, os, pstats, sys, time
 start = time.perf_counter()
 from v1_engine import LLM, SamplingParams
 imported = time.perf_counter() - start
+profile_path = os.environ.get("V1ENGINE_STARTUP_PROFILE")
+profiler = cProfile.Profile() if profile_path else None
+if profiler is not None:
+    profiler.enable()
 llm = LLM(model=sys.argv[1], load_format="dummy", dtype="bfloat16", max_model_len=2048,
           compilation_config=int(sys.argv[2]), gpu_memory_utilization=0.85)
+if profiler is not None:
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(40)
+    with open(profile_path, "w") as f:
+        f.write(text.getvalue())
 ready = time.perf_counter() - start
 out = llm.generate(["Hello"], SamplingParams(max_tokens=1), use_tqdm=False)
 first = time.perf_counter() - start
@@ -71,8 +84,12 @@ def prime_bytecode(prefix: str) -> float:
     return time.perf_counter() - start
 
 
-def one_start(path: str, level: int, cache_dir: str, pycache: str | None) -> dict:
+def one_start(
+    path: str, level: int, cache_dir: str, pycache: str | None, profile: str | None = None
+) -> dict:
     env = dict(os.environ, V1ENGINE_COMPILE_CACHE=cache_dir)
+    if profile is not None:
+        env["V1ENGINE_STARTUP_PROFILE"] = profile
     if pycache is not None:
         env["PYTHONPYCACHEPREFIX"] = pycache
         env.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -99,6 +116,12 @@ def main() -> None:
     parser.add_argument(
         "--no-prime-bytecode", action="store_true", help="start without a bytecode cache"
     )
+    parser.add_argument(
+        "--profile-warm",
+        metavar="FILE",
+        default=None,
+        help="a third, warm start under cProfile (engine construction): top functions to FILE",
+    )
     args = parser.parse_args()
     path, _ = model_dir(args.model, min_positions=2048)
     with tempfile.TemporaryDirectory(prefix="v1engine-startup-") as tmp:
@@ -109,6 +132,8 @@ def main() -> None:
             note = f"bytecode primed first ({prime_bytecode(pycache):.0f} s, not counted)"
         runs = [("cold", one_start(path, args.compilation_level, cache_dir, pycache))]
         runs.append(("warm", one_start(path, args.compilation_level, cache_dir, pycache)))
+        if args.profile_warm:
+            one_start(path, args.compilation_level, cache_dir, pycache, args.profile_warm)
     stages = list(runs[0][1]["breakdown"])
     lines = [
         (
