@@ -232,6 +232,7 @@ def run_tune(args: argparse.Namespace) -> None:
     best_table = []
     print("| M | " + " | ".join(f"cfg {c}" for c in range(num_configs)) + " | best |")
     print("|---" * (num_configs + 2) + "|")
+    per_shape_lines = []
     for m in args.m:
         per_config: dict[int, list[float]] = {c: [] for c in range(num_configs)}
         for shape in SHAPES:
@@ -246,11 +247,23 @@ def run_tune(args: argparse.Namespace) -> None:
         best_table.append((m, best))
         cells = " | ".join(f"{means[c]:.1f}" for c in range(num_configs))
         print(f"| {m} | {cells} | {best} |", flush=True)
+        # Shapes the current table serves worst: where another config wins by more than 5%.
+        current = fp8_cutlass.scaled_mm_config(m)
+        for i, shape in enumerate(SHAPES):
+            rates = {c: per_config[c][i] for c in range(num_configs)}
+            top = max(rates, key=rates.get)
+            if rates[top] > 1.05 * rates[current]:
+                per_shape_lines.append(
+                    f"  {shape.model} {shape.layer} M={m} (N={shape.n}, K={shape.k}): cfg {top} "
+                    f"{rates[top]:.1f} TFLOP/s vs the table's cfg {current} {rates[current]:.1f}"
+                )
     print("\nGeometric-mean TFLOP/s over the Llama-3-8B/70B shapes. Best configuration by M:")
     print("SCALED_MM_DISPATCH = (")
     for m, best in best_table:
         print(f"    ({m}, {best}),")
     print(")  # the last bucket's bound becomes math.inf")
+    print("\nShapes where another configuration beats the current table's by > 5%:")
+    print("\n".join(per_shape_lines) or "  none")
 
 
 def main() -> None:

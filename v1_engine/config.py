@@ -158,6 +158,12 @@ class CompilationConfig:
     cudagraph_capture_sizes: list[int] | None = None
     """Batch sizes (tokens of a piecewise graph, requests of a decode graph) captured in CUDA
     graphs; a batch is padded up to the next one. None derives them (see capture_sizes)."""
+    piecewise_capture_sizes: list[int] | None = None
+    """Token counts piecewise graphs are captured for. None: cudagraph_capture_sizes when that is
+    set; else at level 2, where full decode graphs take every uniform decode step, piecewise
+    graphs serve only prefills and mixed batches, whose padding costs little, so a coarse ladder
+    (see piecewise_sizes) with a third of the captures; at level 1, where they serve decode steps
+    too, the derived capture sizes."""
     max_cudagraph_capture_size: int = 512
     """Largest batch a CUDA graph is captured for (capped by max_num_seqs for decode graphs, by
     max_num_batched_tokens for piecewise graphs)."""
@@ -220,6 +226,23 @@ class CompilationConfig:
         sizes = [1, 2, 4, *range(8, 256, 8), *range(256, cap + 1, 16)]
         return sorted({s for s in sizes if s <= cap} | {cap})
 
+    def piecewise_sizes(self, limit: int, level: int) -> list[int]:
+        """Token counts piecewise graphs are captured for at `level`, ascending, capped like
+        capture_sizes: piecewise_capture_sizes, else cudagraph_capture_sizes; else at level 2
+        the ladder 1, 2, 4, 6, 8, 12, 16, 24, 32, 48, ... (each power of two and 1.5x it: a step
+        pads by at most a third from 4 tokens up) up to max_cudagraph_capture_size; at level 1
+        capture_sizes(limit)."""
+        cap = min(self.max_cudagraph_capture_size, limit)
+        if self.piecewise_capture_sizes is not None:
+            return sorted({s for s in self.piecewise_capture_sizes if s <= cap})
+        if level < 2 or self.cudagraph_capture_sizes is not None:
+            return self.capture_sizes(limit)
+        ladder, power = {1, 2}, 4
+        while power <= cap:
+            ladder |= {power, power * 3 // 2}
+            power *= 2
+        return sorted({s for s in ladder if s <= cap} | {cap})
+
     def verify(self) -> None:
         if self.level is not None and self.level not in COMPILATION_LEVELS:
             raise ValueError(
@@ -229,9 +252,10 @@ class CompilationConfig:
             raise ValueError(
                 f"max_cudagraph_capture_size must be >= 1, got {self.max_cudagraph_capture_size}"
             )
-        sizes = self.cudagraph_capture_sizes
-        if sizes is not None and any(not isinstance(s, int) or s < 1 for s in sizes):
-            raise ValueError(f"cudagraph_capture_sizes must be positive ints, got {sizes!r}")
+        for name in ("cudagraph_capture_sizes", "piecewise_capture_sizes"):
+            sizes = getattr(self, name)
+            if sizes is not None and any(not isinstance(s, int) or s < 1 for s in sizes):
+                raise ValueError(f"{name} must be positive ints, got {sizes!r}")
         unknown = [p for p in self.fusion_passes or () if p not in FUSION_PASSES]
         if unknown:
             raise ValueError(f"fusion_passes must be among {FUSION_PASSES}, got {unknown}")

@@ -3,6 +3,7 @@ skips Inductor's work (measured in fresh processes, so no in-memory cache can he
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -64,6 +65,24 @@ def test_capture_sizes():
     assert CompilationConfig(max_cudagraph_capture_size=8).capture_sizes(64) == [1, 2, 4, 8]
     explicit = CompilationConfig(cudagraph_capture_sizes=[4, 1, 64, 2])
     assert explicit.capture_sizes(limit=32) == [1, 2, 4]
+
+
+def test_piecewise_sizes():
+    """Level 2 pads mixed batches onto a coarse ladder (full graphs take uniform decodes); level
+    1 captures the decode list; an explicit list wins at any level (piecewise_capture_sizes, else
+    cudagraph_capture_sizes); all capped by the limit."""
+    ladder = CompilationConfig().piecewise_sizes(limit=8192, level=2)
+    assert ladder == [1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert all(b <= a * 2 for a, b in itertools.pairwise(ladder))  # pads by less than 2x
+    assert all(b <= a * 3 // 2 for a, b in itertools.pairwise(ladder[2:]))  # ... a third from 4 up
+    assert CompilationConfig().piecewise_sizes(limit=100, level=2)[-3:] == [64, 96, 100]
+    assert CompilationConfig().piecewise_sizes(1024, 1) == CompilationConfig().capture_sizes(1024)
+    explicit = CompilationConfig(piecewise_capture_sizes=[64, 8, 1000])
+    assert explicit.piecewise_sizes(limit=512, level=2) == [8, 64]
+    both = CompilationConfig(cudagraph_capture_sizes=[4, 16, 64])  # the one list serves both
+    assert both.piecewise_sizes(limit=512, level=2) == [4, 16, 64]
+    with pytest.raises(ValueError, match="piecewise_capture_sizes must be positive ints"):
+        CompilationConfig(piecewise_capture_sizes=[0]).verify()
 
 
 _START = """

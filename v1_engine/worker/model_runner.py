@@ -210,7 +210,8 @@ class ModelRunner:
         cc = self.config.compilation_config
         if not self._graphs_possible or not cc.piecewise_cudagraphs:
             return []
-        return cc.capture_sizes(self.config.scheduler_config.max_num_batched_tokens)
+        limit = self.config.scheduler_config.max_num_batched_tokens
+        return cc.piecewise_sizes(limit, cc.effective_level("cuda"))
 
     @functools.cached_property
     def _cudagraph_sizes(self) -> list[int]:
