@@ -171,7 +171,7 @@ def run_comparison(args: argparse.Namespace) -> list[dict]:
                 "config": (
                     "triton"
                     if fp8_skinny.prefers_fp8_skinny("channel", m, shape.n, shape.k)
-                    else fp8_cutlass.scaled_mm_config(m)
+                    else fp8_cutlass.scaled_mm_config(m, shape.n, shape.k)
                 ),
                 "ours": case.flops / (t_ours * 1e-3) / 1e12,
                 "cublas": case.flops / (t_cublas * 1e-3) / 1e12,
@@ -248,7 +248,7 @@ def run_tune(args: argparse.Namespace) -> None:
         cells = " | ".join(f"{means[c]:.1f}" for c in range(num_configs))
         print(f"| {m} | {cells} | {best} |", flush=True)
         # Shapes the current table serves worst: where another config wins by more than 5%.
-        current = fp8_cutlass.scaled_mm_config(m)
+        current = fp8_cutlass.scaled_mm_config(m, shape.n, shape.k)
         for i, shape in enumerate(SHAPES):
             rates = {c: per_config[c][i] for c in range(num_configs)}
             top = max(rates, key=rates.get)

@@ -318,7 +318,9 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"any of {list(SHAPES)}")
     parser.add_argument("--m", default="1,2,4,8,16", help="batch sizes (1..16)")
     parser.add_argument("--seconds", type=float, default=20.0, help="timing budget per shape")
-    parser.add_argument("--modes", default=",".join(triton_gemv.MODES))
+    parser.add_argument(
+        "--modes", default=None, help="bodies to sweep (default: every body the kind has)"
+    )
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument(
         "--fp8",
@@ -337,7 +339,8 @@ def main() -> None:
     ms = [int(m) for m in args.m.split(",") if m]
     if not all(1 <= m <= triton_gemv.SKINNY_MAX_M for m in ms):
         raise SystemExit(f"--m: batch sizes must be in 1..{triton_gemv.SKINNY_MAX_M}")
-    modes = set(args.modes.split(","))
+    kind_modes = triton_gemv.MODES if kind == "bf16" else fp8_skinny.FP8_MODES
+    modes = set(args.modes.split(",")) if args.modes else set(kind_modes)
     configs = interleave(dot_configs(kind), fma_configs(kind))
     configs = [c for c in configs if c["mode"] in modes]
     torch.manual_seed(0)

@@ -88,6 +88,17 @@ def test_quantized_gemm_approximates_the_bf16_gemm() -> None:
 FP8_OPCHECK_UTILS = ("test_faketensor", "test_aot_dispatch_dynamic")
 
 
+def test_tile_config_by_m_bucket_and_shape() -> None:
+    """M picks the bucket's tile config; a shape with a measured override in that bucket takes
+    its own (70B down at M = 65..256), other shapes and buckets are unaffected."""
+    bucket_256 = fp8_cutlass.scaled_mm_config(200)
+    assert bucket_256 == dict(fp8_cutlass.SCALED_MM_DISPATCH)[256]
+    assert fp8_cutlass.scaled_mm_config(1) == fp8_cutlass.SCALED_MM_DISPATCH[0][1]
+    assert fp8_cutlass.scaled_mm_config(200, 8192, 28672) == 4 != bucket_256
+    assert fp8_cutlass.scaled_mm_config(200, 4096, 14336) == bucket_256
+    assert fp8_cutlass.scaled_mm_config(1000, 8192, 28672) == fp8_cutlass.scaled_mm_config(1000)
+
+
 def test_gemm_ops_pass_opcheck() -> None:
     a, b = random_fp8((4, 32), seed=10), random_fp8((16, 32), seed=11)
     sa, sb = random_scales((4, 1), seed=12), random_scales((16, 1), seed=13)

@@ -103,7 +103,7 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 def launch_for(mode: str, kind: str) -> dict:
     """Small tiles so the tiny shapes span several programs and K steps."""
-    block_n = 8 if mode == "fma" else 16
+    block_n = 16
     block_k = 128 if kind == "block" else 32
     return {"mode": mode, "block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": 2}
 
@@ -112,7 +112,7 @@ def launch_for(mode: str, kind: str) -> dict:
 
 
 @interpreter_only
-@pytest.mark.parametrize("mode", triton_gemv.MODES)
+@pytest.mark.parametrize("mode", skinny.FP8_MODES)
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -131,7 +131,7 @@ def test_channel_kernel_matches_reference_interpreted(mode, m, granularity, with
 
 
 @interpreter_only
-@pytest.mark.parametrize("mode", triton_gemv.MODES)
+@pytest.mark.parametrize("mode", skinny.FP8_MODES)
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize(("n", "k"), [(200, 384), (200, 300)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
@@ -139,7 +139,7 @@ def test_block_kernel_matches_reference_interpreted(mode, m, n, k, out_dtype):
     # N = 200: the last 128-row weight block is partial (and BLOCK_N tiles 8 and 9 of 16 share
     # it); K = 300 ends in a partial scale group (the op on CUDA only takes whole groups).
     a, b, scale_a, scale_b = block_operands(m, n, k, seed=m + k)
-    launch = launch_for(mode, "block") | ({"block_n": 16} if mode != "fma" else {})
+    launch = launch_for(mode, "block")
     out = skinny.fp8_block_skinny_gemm(a, b, scale_a, scale_b, out_dtype, **launch)
     assert_matches(out, fp8.block_scaled_mm_ref(a, b, scale_a, scale_b, out_dtype))
 
@@ -223,7 +223,7 @@ def test_scaled_mm_cuda_body_dispatch_interpreted(stubs, monkeypatch):
     assert torch.equal(fp8._scaled_mm_cuda(*args), ref)
     assert (cutlass["channel"].calls, triton_calls["channel"]) == (1, 0)
 
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["channel"], (4, n, k), launch_for("dot", ""))
+    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["channel"], (4, n, k), launch_for("dot_swap", ""))
     assert_matches(fp8._scaled_mm_cuda(*args), ref)
     assert (cutlass["channel"].calls, triton_calls["channel"]) == (1, 1)
 
@@ -231,7 +231,7 @@ def test_scaled_mm_cuda_body_dispatch_interpreted(stubs, monkeypatch):
     fp8._scaled_mm_cuda(*args)
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
     a17, _, scale_a17, _ = channel_operands(17, n, k, "token", seed=3)
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["channel"], (32, n, k), launch_for("dot", ""))
+    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["channel"], (32, n, k), launch_for("dot_swap", ""))
     fp8._scaled_mm_cuda(a17, b, scale_a17, scale_b, torch.bfloat16, bias)
     monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["channel"], (4, n, k), None)  # CUTLASS faster
     fp8._scaled_mm_cuda(*args)
@@ -287,7 +287,7 @@ def test_vector_stride_reads_scales_in_place():
 
 
 def test_launch_table_and_overrides(monkeypatch):
-    tuned = {"mode": "fma", "block_n": 8, "block_k": 1024, "num_warps": 8, "num_stages": 5}
+    tuned = {"mode": "dot_swap", "block_n": 16, "block_k": 1024, "num_warps": 8, "num_stages": 5}
     monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, "channel", {(4, 1024, 2048): tuned})
     monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, "block", {(16, 1024, 2048): None})
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
@@ -305,7 +305,9 @@ def test_launch_table_and_overrides(monkeypatch):
     for kind, bad, match in (
         ("channel", {"block_m": 16}, "unknown launch key"),
         ("channel", {"mode": "split_k"}, "mode"),
-        ("channel", {"mode": "dot", "block_n": 8}, "block_n"),  # below the dot's 16
+        ("channel", {"block_n": 8}, "block_n"),  # below the dot's 16
+        ("channel", {"mode": "dot"}, "mode must be one of"),  # no e4m3 body on sm_90
+        ("block", {"mode": "fma", "block_n": 8}, "mode must be one of"),
         ("channel", {"block_k": 48}, "block_k"),
         ("block", {"block_k": 256}, "block_k must be 128"),
         ("block", {"block_n": 256}, "block_n must be <= 128"),
@@ -341,13 +343,13 @@ def cutlass_is_no_closer(out: torch.Tensor, cutlass: torch.Tensor, ref: torch.Te
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
 @pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("mode", triton_gemv.MODES)
+@pytest.mark.parametrize("mode", skinny.FP8_MODES)
 def test_channel_llama3_shapes_gpu(name, m, mode):
     n, k = LLAMA3_8B_SHAPES[name]
     b, scale_b = llama3_weight(name, "channel")
     a, scale_a = fp8.per_token_fp8_quant_ref(randn((m, k), m).cuda())
     bias = randn((n,), 5).to("cuda", torch.bfloat16)
-    launch = {"mode": mode, "block_n": 8 if mode == "fma" else 32, "block_k": 512}
+    launch = {"mode": mode, "block_n": 32, "block_k": 512}
     out = skinny.fp8_skinny_gemm(a, b, scale_a, scale_b, torch.bfloat16, bias, **launch)
     ref = fp8.scaled_mm_ref(a, b, scale_a, scale_b, torch.bfloat16, bias)
     assert_matches(out, ref)
@@ -357,12 +359,12 @@ def test_channel_llama3_shapes_gpu(name, m, mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
 @pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("mode", triton_gemv.MODES)
+@pytest.mark.parametrize("mode", skinny.FP8_MODES)
 def test_block_llama3_shapes_gpu(name, m, mode):
     _n, k = LLAMA3_8B_SHAPES[name]
     b, scale_b = llama3_weight(name, "block")
     a, scale_a = fp8.per_token_group_fp8_quant_ref(randn((m, k), m).cuda())
-    launch = {"mode": mode, "block_n": 8 if mode == "fma" else 64}
+    launch = {"mode": mode, "block_n": 64}
     out = skinny.fp8_block_skinny_gemm(a, b, scale_a, scale_b, torch.float16, **launch)
     ref = fp8.block_scaled_mm_ref(a, b, scale_a, scale_b, torch.float16)
     assert_matches(out, ref)
@@ -371,12 +373,12 @@ def test_block_llama3_shapes_gpu(name, m, mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", GRANULARITIES)
-@pytest.mark.parametrize("mode", triton_gemv.MODES)
+@pytest.mark.parametrize("mode", skinny.FP8_MODES)
 def test_channel_ragged_shape_every_granularity_gpu(granularity, mode):
     """N = 1000 and K = 4112 are multiples of 16 but of no tile: masked edges on the device."""
     a, b, scale_a, scale_b = channel_operands(5, 1000, 4112, granularity, seed=9, device="cuda")
     a = strided_rows(a)
-    launch = {"mode": mode, "block_n": 8 if mode == "fma" else 64, "block_k": 256}
+    launch = {"mode": mode, "block_n": 64, "block_k": 256}
     out = skinny.fp8_skinny_gemm(a, b, scale_a, scale_b, torch.float16, **launch)
     assert_matches(out, fp8.scaled_mm_ref(a, b, scale_a, scale_b, torch.float16))
 
@@ -442,7 +444,7 @@ def test_scaled_mm_under_compile_with_unbacked_token_count_gpu(monkeypatch):
     the 1 and 8 buckets), CUTLASS for M = 40."""
     n, k = LLAMA3_8B_SHAPES["qkv"]
     b, scale_b = llama3_weight("qkv", "channel")
-    launch = {"mode": "fma", "block_n": 8, "block_k": 512, "num_warps": 4, "num_stages": 4}
+    launch = {"mode": "dot_swap", "block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 4}
     table = {(1, n, k): launch, (8, n, k): launch | {"mode": "dot_swap", "block_n": 64}}
     monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, "channel", table)
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)

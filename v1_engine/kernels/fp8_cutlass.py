@@ -27,6 +27,16 @@ M bucket; small M runs swapped configurations (computes the transposed problem).
 `benchmarks/benchmark_fp8_gemm.py --tune` on the H200 (2026-12-02, geometric-mean TFLOP/s over
 the Llama-3-8B/70B shapes at M = 1..8192; benchmarks/RESULTS.md "FP8 GEMM tile tuning")."""
 
+SCALED_MM_SHAPE_CONFIGS: dict[tuple[int, int, int], int] = {
+    (256, 8192, 8192): 4,
+    (256, 57344, 8192): 4,
+    (256, 8192, 28672): 4,
+}
+"""(M bucket bound, N, K) -> tile configuration, where one beat the bucket's by more than 5%
+(`benchmark_fp8_gemm.py --tune --m 256`, H200, 2026-12-03: the Llama-3-70B o, gate_up and down
+projections at M = 65..256 run config 4 at 1233 / 1325 / 1342 TFLOP/s against config 7's 1148 /
+1059 / 1272)."""
+
 NUM_SCALED_MM_CONFIGS = 8
 """Tile configurations compiled into the library (ids 0..7), see csrc/scaled_mm_sm90.cuh."""
 
@@ -50,9 +60,11 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-def scaled_mm_config(m: int) -> int:
-    """The tile configuration id the dispatch table picks for M rows."""
-    return next(config for max_m, config in SCALED_MM_DISPATCH if m <= max_m)
+def scaled_mm_config(m: int, n: int | None = None, k: int | None = None) -> int:
+    """The tile configuration id for M rows: the M bucket's, unless SCALED_MM_SHAPE_CONFIGS
+    holds the bucket's (N, K)."""
+    max_m, config = next((max_m, c) for max_m, c in SCALED_MM_DISPATCH if m <= max_m)
+    return SCALED_MM_SHAPE_CONFIGS.get((max_m, n, k), config)
 
 
 def scaled_mm_cutlass(
@@ -71,7 +83,7 @@ def scaled_mm_cutlass(
     if m == 0:
         return out
     if config is None:
-        config = scaled_mm_config(m)
+        config = scaled_mm_config(m, n, k)
     elif not 0 <= config < NUM_SCALED_MM_CONFIGS:
         raise ValueError(f"config must be in [0, {NUM_SCALED_MM_CONFIGS}), got {config}")
     scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()

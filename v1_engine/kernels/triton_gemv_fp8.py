@@ -6,8 +6,11 @@ for large M, read it well below bandwidth there. Here, as in the bf16 skinny GEM
 whose launch keys, bodies and helpers this module shares), each program owns BLOCK_N rows of the
 weight and walks the whole of K with pipelined loads: one kernel per linear, no split-K, no
 atomics. The e4m3 operands are upcast in registers to float16 (exact: every e4m3 value is an
-fp16 value, and products of two are exact in the float32 accumulator) for the tensor-core bodies,
-to float32 for the fma body. Two kinds:
+fp16 value, and products of two are exact in the float32 accumulator) and multiplied on tensor
+cores with the weight tile as the left operand (triton_gemv's "dot_swap" body, FP8_MODES): on
+the H200 with Triton 3.6 the other two bodies fail to compile with e4m3 operands (the "dot" body
+at its tl.dot, the "fma" body at its float32 upcast), and "dot_swap" was the fastest body on
+every bf16 and block-scaled shape swept anyway. Two kinds:
 
 - "channel" (`fp8_skinny_gemm`): out = (a @ b^T) * scale_a[m or 0] * scale_b[n or 0] (+ bias),
   scales applied once in the epilogue in scaled_mm_ref's order;
@@ -30,6 +33,8 @@ from v1_engine.kernels import triton_gemv
 from v1_engine.kernels.triton_gemv import _dot, m_bucket
 
 KINDS = ("channel", "block")
+FP8_MODES = ("dot_swap",)
+"""Bodies of triton_gemv.MODES the FP8 kernels have (see the module docstring)."""
 SCALE_GROUP = 128
 """K (and N) extent of one block scale; the block kind's K step is exactly one group."""
 
@@ -39,37 +44,73 @@ _ALIGN_BYTES = 16
 """Rows of e4m3 operands must start 16-byte aligned for vector loads: K and a's row stride are
 multiples of 16 elements."""
 
+_BLOCK_S4 = {"mode": "dot_swap", "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4}
+_BLOCK_S6 = _BLOCK_S4 | {"num_stages": 6}
+
 FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | None]] = {
-    "channel": {},
-    "block": {},
+    "channel": {
+        (1, 6144, 4096): None,
+        (2, 6144, 4096): None,
+        (4, 6144, 4096): None,
+        (8, 6144, 4096): None,
+        (16, 6144, 4096): None,
+        (1, 4096, 4096): None,
+        (2, 4096, 4096): None,
+        (4, 4096, 4096): None,
+        (8, 4096, 4096): None,
+        (16, 4096, 4096): None,
+        (1, 28672, 4096): None,
+        (2, 28672, 4096): None,
+        (4, 28672, 4096): None,
+        (8, 28672, 4096): None,
+        (16, 28672, 4096): None,
+        (1, 4096, 14336): None,
+        (2, 4096, 14336): None,
+        (4, 4096, 14336): None,
+        (8, 4096, 14336): None,
+        (16, 4096, 14336): None,
+    },
+    "block": {
+        (1, 6144, 4096): _BLOCK_S6,
+        (2, 6144, 4096): _BLOCK_S6,
+        (4, 6144, 4096): _BLOCK_S6,
+        (8, 6144, 4096): _BLOCK_S6,
+        (16, 6144, 4096): _BLOCK_S6,
+        (1, 4096, 4096): _BLOCK_S6,
+        (2, 4096, 4096): _BLOCK_S6,
+        (4, 4096, 4096): _BLOCK_S6,
+        (8, 4096, 4096): _BLOCK_S6,
+        (16, 4096, 4096): _BLOCK_S6,
+        (1, 28672, 4096): _BLOCK_S4,
+        (2, 28672, 4096): _BLOCK_S4,
+        (4, 28672, 4096): _BLOCK_S4,
+        (8, 28672, 4096): _BLOCK_S4,
+        (16, 28672, 4096): _BLOCK_S4,
+        (1, 4096, 14336): _BLOCK_S6,
+        (2, 4096, 14336): _BLOCK_S6,
+        (4, 4096, 14336): _BLOCK_S6,
+        (8, 4096, 14336): _BLOCK_S6,
+        (16, 4096, 14336): _BLOCK_S6,
+    },
 }
 """Measured launch configs per kind, keyed by (M bucket, N, K) as triton_gemv.TUNED_LAUNCH; None
-marks a shape where the CUTLASS kernel measured faster. Empty until the H200 sweep
-(`python benchmarks/sweep_skinny_gemm.py --fp8 channel` / `--fp8 block`) is pasted here: the ops
-run the Triton kernel only for shapes with an entry."""
+marks a shape where the CUTLASS kernel measured as fast or faster: the ops run the Triton kernel
+only for shapes with a config. From `python benchmarks/sweep_skinny_gemm.py --fp8 channel|block
+--shapes qkv,o_proj,gate_up,down` on the H200 (2026-12-03, benchmarks/RESULTS.md "FP8 skinny
+GEMM sweep"): the per-channel CUTLASS GEMM kept every Llama-3-8B shape (the best Triton config
+was 0.89-1.01x of it); the block-scaled one lost every shape, by 1.04-1.34x."""
 
 
 @triton.jit
-def _load_operands(
-    a_ptrs, b_ptrs, m_mask, n_mask, k_mask, MODE: tl.constexpr, DOT_F32: tl.constexpr
-):
-    """One K step of a [BLOCK_M, BLOCK_K] and b [BLOCK_N, BLOCK_K], upcast from e4m3 (exact):
-    to float16 for the tensor-core bodies, to float32 for the fma body and the interpreter. The
+def _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32: tl.constexpr):
+    """One K step: b [BLOCK_N, BLOCK_K] @ a [BLOCK_M, BLOCK_K]^T as float32 [BLOCK_N, BLOCK_M],
+    the operands upcast from e4m3 (exact) to float16, or to float32 under the interpreter. The
     weight streams through once (evict first); the activations are reread by every program."""
     b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_first")
     a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_last")
-    if DOT_F32 or MODE == 2:
-        return a.to(tl.float32), b.to(tl.float32)
-    return a.to(tl.float16), b.to(tl.float16)
-
-
-@triton.jit
-def _tile_dot(a, b, MODE: tl.constexpr, DOT_F32: tl.constexpr):
-    """a @ b^T on tensor cores in float32, as [BLOCK_M, BLOCK_N] ("dot") or [BLOCK_N, BLOCK_M]
-    ("dot_swap", the weight tile as the left operand)."""
-    if MODE == 0:
-        return _dot(a, tl.trans(b), DOT_F32)
-    return _dot(b, tl.trans(a), DOT_F32)
+    if DOT_F32:
+        return _dot(b.to(tl.float32), tl.trans(a.to(tl.float32)), DOT_F32)
+    return _dot(b.to(tl.float16), tl.trans(a.to(tl.float16)), DOT_F32)
 
 
 @triton.jit
@@ -95,7 +136,6 @@ def _fp8_skinny_kernel(
     stride_sa,
     stride_sb,
     HAS_BIAS: tl.constexpr,
-    MODE: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -111,28 +151,13 @@ def _fp8_skinny_kernel(
     m_mask = offs_m < M
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
-    if MODE == 0:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    elif MODE == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    # An explicit num_stages on the loop pipelines the loads even where no tl.dot consumes them.
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k[None, :] < K - k
-        a, b = _load_operands(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, MODE, DOT_F32)
-        if MODE == 2:
-            acc += a[:, None, :] * b[None, :, :]
-        else:
-            acc += _tile_dot(a, b, MODE, DOT_F32)
+        acc += _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if MODE == 0:
-        result = acc
-    elif MODE == 1:
-        result = tl.trans(acc)
-    else:
-        result = tl.sum(acc, axis=2)
+    result = tl.trans(acc)
     scale_a = tl.load(scale_a_ptr + offs_m * stride_sa, mask=m_mask, other=0.0)
     scale_b = tl.load(scale_b_ptr + offs_n * stride_sb, mask=n_mask, other=0.0)
     result = result * scale_a[:, None] * scale_b[None, :]
@@ -158,7 +183,6 @@ def _fp8_block_skinny_kernel(
     stride_sak,
     stride_sbn,
     stride_sbk,
-    MODE: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -177,34 +201,16 @@ def _fp8_block_skinny_kernel(
     b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
     scale_a_ptrs = scale_a_ptr + offs_m * stride_sam
     scale_b_ptr += (pid * BLOCK_N // BLOCK_K) * stride_sbn
-    if MODE == 0:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    elif MODE == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for kb in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
         k_mask = offs_k[None, :] < K - kb * BLOCK_K
-        a, b = _load_operands(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, MODE, DOT_F32)
+        partial = _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
         scale_a = tl.load(scale_a_ptrs + kb * stride_sak, mask=m_mask, other=0.0)
         scale_b = tl.load(scale_b_ptr + kb * stride_sbk)
-        if MODE == 0:
-            acc += _tile_dot(a, b, MODE, DOT_F32) * scale_a[:, None] * scale_b
-        elif MODE == 1:
-            acc += _tile_dot(a, b, MODE, DOT_F32) * scale_a[None, :] * scale_b
-        else:
-            # Both scales are constant over the step: folded into the activation row (one float32
-            # rounding per element) so the products still sum over K only once, at the end.
-            a = a * (scale_a * scale_b)[:, None]
-            acc += a[:, None, :] * b[None, :, :]
+        acc += partial * scale_a[None, :] * scale_b
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if MODE == 0:
-        result = acc
-    elif MODE == 1:
-        result = tl.trans(acc)
-    else:
-        result = tl.sum(acc, axis=2)
+    result = tl.trans(acc)
     _store_rows(out_ptr, result, offs_m, offs_n, m_mask, n_mask, stride_om)
 
 
@@ -218,7 +224,7 @@ def default_fp8_launch(kind: str, m: int, n: int, k: int) -> dict[str, int | str
     CUTLASS there): the bf16 default's column tiles, with a K step of as many bytes (512 e4m3
     values) for the channel kind and one scale group for the block kind."""
     _check_kind(kind)
-    config = triton_gemv.default_launch(m, n, k)
+    config = triton_gemv.default_launch(m, n, k) | {"mode": "dot_swap", "block_n": 32}
     if kind == "channel":
         return config | {"block_k": 512}
     return config | {"block_k": SCALE_GROUP, "num_stages": 6}
@@ -241,6 +247,10 @@ def resolve_fp8_launch(
     config = fp8_launch_config(kind, m, n, k) | launch
     # A complete config overrides every key of triton_gemv's own default, so this only checks.
     config = triton_gemv.resolve_launch(m, n, k, config)
+    if config["mode"] not in FP8_MODES:
+        raise ValueError(
+            f"launch mode must be one of {FP8_MODES} for the FP8 kernels, got {config['mode']!r}"
+        )
     if kind == "block":
         if config["block_k"] != SCALE_GROUP:
             raise ValueError(
@@ -298,12 +308,9 @@ def _interpreting() -> bool:
 
 def _constexprs(m: int, config: dict[str, int | str]) -> dict[str, int | bool]:
     """Compile-time arguments and launch options shared by both kernels."""
-    mode = triton_gemv._MODE_IDS[config["mode"]]
-    dot_rows = triton_gemv._DOT_ROWS
     return {
-        "MODE": mode,
         "DOT_F32": _interpreting(),
-        "BLOCK_M": m_bucket(m) if mode == 2 else max(dot_rows, m_bucket(m)),
+        "BLOCK_M": max(triton_gemv._DOT_ROWS, m_bucket(m)),
         "BLOCK_N": config["block_n"],
         "BLOCK_K": config["block_k"],
         "NUM_STAGES": config["num_stages"],
