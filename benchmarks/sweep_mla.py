@@ -1,37 +1,121 @@
 """Launch-configuration sweep of the Triton MLA decode kernel (kernels/triton_mla.py).
 
-For each head count, times every combination of heads per program, cached tokens per loop
-step, pipeline stages, warps and split-KV factor at batch x context (default 64 x 4096, block
-size 64, bf16) and prints the fastest, as achieved bandwidth on the latent bytes the kernel must
-read. `launch_config` in triton_mla.py is set from this. Each head count gets a time budget
-(compiling a configuration takes about a second); the most promising ranges come first.
+For each head count, times launch configurations at batch x context (default 64 x 4096, block
+size 64, bf16): heads per program, cached tokens per loop step, warps, pipeline stages, the
+transposed dots (swap), latent dims of the output per program (block_v), one cache block per
+loop step (page_tile) and the split-KV factor. It prints the fastest, as achieved bandwidth on
+the latent bytes the kernel must read, and the LaunchConfig to put in `launch_config`.
 
-    python benchmarks/sweep_mla.py --heads 16,128 --seconds 70
+The candidates of a head count come most promising first. They are compiled up front by worker
+processes (a configuration takes seconds to compile, a timing a fraction of one), which also
+drop those that do not fit the device; then they are timed in order until the head count's
+budget (compiling included) runs out.
+
+    python benchmarks/sweep_mla.py --heads 16,128 --seconds 60
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import multiprocessing
+import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 import triton
-from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_utils import HBM_BYTES_PER_S
 
-from v1_engine.kernels.triton_mla import launch_config, mla_decode, mla_decode_bytes
+from v1_engine.kernels.triton_mla import (
+    LaunchConfig,
+    launch_config,
+    mla_decode,
+    mla_decode_bytes,
+)
 
 RANK, ROPE = 512, 64
+CONFIG_KEYS = ("block_h", "tile", "num_warps", "num_stages", "swap", "block_v", "page_tile")
+
+# (block_h, tile, num_warps, num_stages, swap, block_v), most promising first. Shared memory
+# decides much of what fits: a program keeps its head tile's queries (block_h x 576) and the
+# pipeline's buffers of tile x 576 latents (plus tile x block_v with value slices) in it, at
+# most 227 KiB on the H200, so the tile shrinks as heads and slices grow.
+_CANDIDATES_16 = [
+    # swap: the [tile, 512] latents are the M of wgmma, read from shared memory, not registers.
+    (16, 64, 8, 2, True, None),
+    (16, 32, 4, 3, True, None),  # ~60 KiB: several programs per SM
+    (16, 32, 8, 3, True, None),
+    (16, 64, 4, 3, True, None),
+    (16, 64, 8, 3, True, None),
+    (16, 32, 4, 4, True, None),
+    (16, 32, 8, 2, True, None),
+    (16, 128, 8, 1, True, None),
+    (16, 64, 4, 2, True, None),
+    (16, 16, 4, 4, True, None),
+    # swap with value slices: more, smaller programs.
+    (16, 32, 4, 3, True, 256),
+    (16, 64, 8, 2, True, 256),
+    (16, 32, 8, 3, True, 128),
+    # the plain form around today's best
+    (16, 64, 8, 2, False, None),
+    (16, 128, 8, 3, False, None),
+    (16, 64, 4, 3, False, None),
+    (16, 32, 4, 3, False, None),
+]
+_CANDIDATES_MANY = [
+    # value slices of a 64-head tile: the [64, block_v] accumulator fits the registers.
+    (64, 32, 8, 3, False, 256),
+    (64, 32, 8, 3, False, 128),
+    (64, 32, 8, 2, False, 256),
+    (64, 32, 8, 2, False, 128),
+    (64, 32, 16, 3, False, 128),
+    # transposed value slices; 128 heads in one program read each latent once.
+    (64, 32, 8, 3, True, 128),
+    (64, 32, 8, 3, True, 256),
+    (128, 32, 16, 2, True, 128),
+    (128, 32, 8, 3, True, 256),
+    (128, 32, 8, 2, True, 128),
+    (64, 32, 16, 3, True, 256),
+    # the whole accumulator over four warp groups, or a smaller tile
+    (64, 64, 16, 3, False, None),
+    (64, 32, 16, 3, False, None),
+    (64, 32, 8, 3, False, None),
+    (64, 32, 8, 2, False, None),
+    (64, 16, 8, 4, False, 256),
+    # 32-head tiles: more programs, each latent read from L2 once per tile
+    (32, 64, 8, 3, False, None),
+    (32, 32, 4, 3, False, None),
+    (32, 64, 8, 2, True, None),
+    (32, 32, 8, 3, True, 256),
+]
+_PAGE_TILE_TRIES = 4
+"""The first candidates also run with page_tile (one block id per step) right after."""
 
 
-def sweep(heads: int, batch: int, context: int, block_size: int, seconds: float) -> None:
+def candidates(heads: int, block_size: int) -> list[dict]:
+    """Launch overrides to time for `heads`, most promising first, each with every split factor
+    of the head count (None = the kernel's own choice; splits do not recompile the kernel)."""
+    table = _CANDIDATES_16 if heads <= 16 else _CANDIDATES_MANY
+    splits = (None, 8, 16) if heads <= 16 else (None, 1, 2, 4)
+    configs = []
+    for i, (block_h, tile, warps, stages, swap, block_v) in enumerate(table):
+        base = {"block_h": block_h, "tile": tile, "num_warps": warps, "num_stages": stages}
+        base |= {"swap": swap, "block_v": block_v}
+        configs.append(base | {"page_tile": False})
+        if i < _PAGE_TILE_TRIES and block_size % tile == 0:
+            configs.append(base | {"page_tile": True})
+    return [config | {"num_splits": s} for config in configs for s in splits]
+
+
+def make_inputs(heads: int, batch: int, context: int, block_size: int) -> tuple:
+    """(q_nope, q_pe, cache, block table, seq_lens, query_start_loc, output) of a decode step:
+    every request `context` tokens long, its cache blocks spread at random."""
     num_blocks = batch * context // block_size
     cache = torch.randn(num_blocks, block_size, RANK + ROPE, device="cuda", dtype=torch.bfloat16)
     table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).reshape(batch, -1)
@@ -40,35 +124,119 @@ def sweep(heads: int, batch: int, context: int, block_size: int, seconds: float)
     q_nope = torch.randn(batch, heads, RANK, device="cuda", dtype=torch.bfloat16)
     q_pe = torch.randn(batch, heads, ROPE, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(batch, heads, RANK, device="cuda", dtype=torch.bfloat16)
+    return q_nope, q_pe, cache, table, lens, starts, out
+
+
+def _call(inputs: tuple, context: int, launch: dict) -> None:
+    q_nope, q_pe, cache, table, lens, starts, out = inputs
+    mla_decode(q_nope, q_pe, cache, table, lens, starts, context, 0.1, out, **launch)
+
+
+_WORKER_INPUTS: dict[tuple, tuple] = {}
+
+
+def _compile_job(job: tuple[tuple[int, int, int, int], list[dict]]) -> list[str | None]:
+    """Worker: run each launch once on inputs of the same shapes as the timing (so the kernel
+    lands in Triton's cache under the key the timing looks up); per launch its error text."""
+    shape, launches = job
+    if shape not in _WORKER_INPUTS:
+        _WORKER_INPUTS.clear()
+        _WORKER_INPUTS[shape] = make_inputs(*shape)
+    errors: list[str | None] = []
+    for launch in launches:
+        try:
+            _call(_WORKER_INPUTS[shape], shape[2], launch)
+            torch.cuda.synchronize()
+            errors.append(None)
+        except Exception as error:  # noqa: BLE001 - out of resources, compiler errors: skip
+            errors.append(f"{type(error).__name__}: {str(error).splitlines()[0][:100]}")
+    return errors
+
+
+def precompile(
+    pool: ProcessPoolExecutor | None,
+    shape: tuple[int, int, int, int],
+    launches: list[dict],
+    timeout: float,
+) -> dict[int, str]:
+    """Compiles the launches' kernels in the pool, one job per compiled configuration (its split
+    factors together), within `timeout` seconds; returns {index in launches: error} of those
+    that failed."""
+    if pool is None:
+        return {}
+    groups: dict[tuple, list[int]] = {}
+    for i, launch in enumerate(launches):
+        groups.setdefault(tuple(launch[k] for k in CONFIG_KEYS), []).append(i)
+    jobs = [(shape, [launches[i] for i in indices]) for indices in groups.values()]
+    failed = {}
+    for indices, errors in zip(groups.values(), pool.map(_compile_job, jobs, timeout=timeout)):
+        failed |= {i: e for i, e in zip(indices, errors) if e is not None}
+    return failed
+
+
+def suggested(launch: dict) -> LaunchConfig:
+    return LaunchConfig(**{k: launch[k] for k in CONFIG_KEYS})
+
+
+def sweep(
+    heads: int,
+    batch: int,
+    context: int,
+    block_size: int,
+    seconds: float,
+    pool: ProcessPoolExecutor | None,
+) -> None:
+    start = time.perf_counter()
+    shape = (heads, batch, context, block_size)
+    inputs = make_inputs(*shape)
     nbytes = mla_decode_bytes([context] * batch, RANK, ROPE, 2)
 
-    def rate(**launch) -> float:
-        def run() -> None:
-            mla_decode(q_nope, q_pe, cache, table, lens, starts, context, 0.1, out, **launch)
+    def rate(launch: dict) -> float:
+        ms = triton.testing.do_bench(lambda: _call(inputs, context, launch), warmup=5, rep=20)
+        return nbytes / (ms * 1e-3)
 
-        return nbytes / (triton.testing.do_bench(run, warmup=5, rep=20) * 1e-3)
+    launches = candidates(heads, block_size)
+    try:
+        failed = precompile(pool, shape, launches, seconds - (time.perf_counter() - start))
+    except Exception as error:  # noqa: BLE001 - the timing loop then compiles as it goes
+        print(f"  compile workers failed ({error!r}); compiling on first use", flush=True)
+        failed = {}
+    print(
+        f"heads {heads}: compiled {len(launches)} launches in {time.perf_counter() - start:.0f} s,"
+        f" {len(failed)} failed",
+        flush=True,
+    )
+    for i, error in list(failed.items())[:6]:
+        print(f"  skipped {launches[i]}: {error}", flush=True)
 
     default = launch_config(heads, dot_f32=False)
-    results = [(rate(), "default", default)]
-    head_tiles = (16,) if heads <= 16 else (64, 32, 16)
-    space = itertools.product(head_tiles, (64, 32, 128), (2, 1, 3), (8, 4), (None, 4, 16))
-    start = time.perf_counter()
-    for block_h, tile, stages, warps, splits in space:
+    results = [(rate({}), "default", {k: getattr(default, k) for k in CONFIG_KEYS})]
+    timed = 0
+    for i, launch in enumerate(launches):
         if time.perf_counter() - start > seconds:
             break
-        launch = {"block_h": block_h, "tile": tile, "num_stages": stages}
-        launch |= {"num_warps": warps, "num_splits": splits}
+        if i in failed:
+            continue
         try:
-            results.append((rate(**launch), "", launch))
-        except OutOfResources:  # shared memory or registers of this tile: skip it
-            print(f"  skipped {launch}: out of resources", flush=True)
+            results.append((rate(launch), "", launch))
+            timed += 1
+        except Exception as error:  # noqa: BLE001 - out of resources, compiler errors: skip
+            print(f"  skipped {launch}: {type(error).__name__}", flush=True)
     results.sort(key=lambda r: r[0], reverse=True)
-    print(f"heads {heads}, batch {batch} x {context}, block size {block_size}:", flush=True)
+    print(
+        f"heads {heads}, batch {batch} x {context}, block size {block_size}: timed {timed} of "
+        f"{len(launches) - len(failed)} launches in {time.perf_counter() - start:.0f} s; top 8:",
+        flush=True,
+    )
     for value, tag, launch in results[:8]:
+        us = nbytes / value * 1e6
         print(
-            f"  {value / 1e12:.2f} TB/s ({value / HBM_BYTES_PER_S:.0%}) {tag} {launch}",
+            f"  {value / 1e12:.2f} TB/s ({value / HBM_BYTES_PER_S:.0%}) {us:.0f} us {tag} {launch}",
             flush=True,
         )
+    best = results[0][2]
+    splits = "chosen by the kernel" if best.get("num_splits") is None else best["num_splits"]
+    print(f"  suggested launch_config({heads}): {suggested(best)}, num_splits {splits}", flush=True)
 
 
 def main() -> None:
@@ -77,13 +245,29 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--seconds", type=float, default=70.0, help="budget per head count")
+    parser.add_argument(
+        "--seconds", type=float, default=60.0, help="budget per head count, compiling included"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=min(16, os.cpu_count() or 1),
+        help="compile worker processes (0: compile on first use)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_mla.py needs a CUDA GPU")
     torch.manual_seed(0)
-    for heads in (int(h) for h in args.heads.split(",") if h):
-        sweep(heads, args.batch, args.context, args.block_size, args.seconds)
+    pool = None
+    if args.workers > 0:
+        context = multiprocessing.get_context("spawn")
+        pool = ProcessPoolExecutor(args.workers, mp_context=context)
+    try:
+        for heads in (int(h) for h in args.heads.split(",") if h):
+            sweep(heads, args.batch, args.context, args.block_size, args.seconds, pool)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1) on tiny shapes:
 block tables with shuffled blocks, several cache blocks per request, split-KV with its merge,
 more heads than one head tile, sizes that are not powers of two, and mixed batches whose prefill
-rows the kernel must leave alone. The `gpu` cases run DeepSeek-V2-Lite (16 heads) and V3
-(128 heads) shapes: kv_lora_rank 512, rope 64, block sizes 16 and 64. Outputs are poisoned
-with NaN first, so an unwritten element fails the comparison.
+rows the kernel must leave alone; each launch variant (transposed dots, value slices, one cache
+block per step) on the same cases. The `gpu` cases run DeepSeek-V2-Lite (16 heads) and V3
+(128 heads) shapes: kv_lora_rank 512, rope 64, block sizes 16 and 64, the variants at the
+launches the sweep tries, and a CUDA graph replay. Outputs are poisoned with NaN first, so an
+unwritten element fails the comparison.
 """
 
 from __future__ import annotations
@@ -69,14 +71,16 @@ def _queries(num_tokens, heads, rank, rope, dtype, seed):
     return q_nope.to(DEVICE, dtype), q_pe.to(DEVICE, dtype)
 
 
-def _run_decode(seq_lens, heads, rank, rope, block_size, dtype, num_splits, seed=0):
+def _run_decode(seq_lens, heads, rank, rope, block_size, dtype, num_splits, seed=0, **launch):
     cache, table = make_latent_case(seq_lens, block_size, rank, rope, dtype, seed)
     q_nope, q_pe = _queries(len(seq_lens), heads, rank, rope, dtype, seed + 1)
     scale = 0.7 / (rank + rope) ** 0.5
     out = torch.full_like(q_nope, float("nan"))
     starts = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    mla_decode(q_nope, q_pe, cache, table, lens, starts, max(seq_lens), scale, out, num_splits)
+    mla_decode(
+        q_nope, q_pe, cache, table, lens, starts, max(seq_lens), scale, out, num_splits, **launch
+    )
     return out, reference_decode(q_nope, q_pe, cache, table, seq_lens, scale)
 
 
@@ -95,6 +99,45 @@ def test_decode_float32_matches_reference(heads, rank, rope, block_size, num_spl
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
 
+# Launch variants under the interpreter: rank 32 pads to 32, so block_v 16 gives two value
+# slices; with rank 24 the second slice is half padding. page_tile takes a tile (16) that
+# divides the block size.
+VARIANTS = {
+    "swap": {"swap": True},
+    "slices": {"block_v": 16},
+    "swap-slices": {"swap": True, "block_v": 16},
+    "page": {"page_tile": True},
+    "swap-slices-page": {"swap": True, "block_v": 16, "page_tile": True},
+}
+
+
+@interpreter_only
+@pytest.mark.parametrize(
+    "variant, num_splits",
+    [("swap", 1), ("swap", 3), ("slices", 1), ("slices", 3), ("swap-slices", 8), ("page", 3)]
+    + [("swap-slices-page", 1)],
+)
+@pytest.mark.parametrize(
+    "heads, rank, rope", [(20, 32, 16), (4, 24, 8)], ids=["two-head-tiles", "padded-dims"]
+)
+def test_decode_variants_match_reference(heads, rank, rope, variant, num_splits):
+    """Every variant on the lengths of the plain test (not multiples of the 16-token tile, one
+    request with a single key, splits with none): split partials per value slice, merged.
+    Blocks of 32 hold two tiles each, so a page_tile step may start mid-block."""
+    out, want = _run_decode(
+        [1, 7, 40, 33],
+        heads,
+        rank,
+        rope,
+        32,
+        torch.float32,
+        num_splits,
+        tile=16,
+        **VARIANTS[variant],
+    )
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
 @interpreter_only
 def test_decode_bfloat16_close_to_reference():
     out, want = _run_decode([5, 38], 16, 32, 16, 8, torch.bfloat16, num_splits=2)
@@ -102,19 +145,19 @@ def test_decode_bfloat16_close_to_reference():
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
 
 
-@interpreter_only
-def test_decode_leaves_prefill_and_empty_requests_alone():
+def _check_non_decode_rows_untouched(heads, rank, rope, block_size, dtype, atol, launch):
     """Request 1 is a 3-token prefill chunk and request 2 an empty (padding) request: their rows
     keep the poison; the decode requests around them are computed."""
-    heads, rank, rope = 4, 32, 16
     seq_lens = [9, 12, 1, 20]
     starts = torch.tensor([0, 1, 4, 4, 5], dtype=torch.int32, device=DEVICE)
-    cache, table = make_latent_case(seq_lens, 4, rank, rope, torch.float32, seed=3)
-    q_nope, q_pe = _queries(5, heads, rank, rope, torch.float32, seed=4)
+    cache, table = make_latent_case(seq_lens, block_size, rank, rope, dtype, seed=3)
+    q_nope, q_pe = _queries(5, heads, rank, rope, dtype, seed=4)
     out = torch.full_like(q_nope, float("nan"))
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     for splits in (1, 2):
-        mla_decode(q_nope, q_pe, cache, table, lens, starts, 20, 0.2, out, num_splits=splits)
+        mla_decode(
+            q_nope, q_pe, cache, table, lens, starts, 20, 0.2, out, num_splits=splits, **launch
+        )
         assert out[1:4].isnan().all()
         decode_tokens, decode_reqs = [0, 4], [0, 3]
         want = reference_decode(
@@ -125,7 +168,17 @@ def test_decode_leaves_prefill_and_empty_requests_alone():
             [seq_lens[r] for r in decode_reqs],
             0.2,
         )
-        torch.testing.assert_close(out[decode_tokens].double(), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[decode_tokens].double(), want, atol=atol, rtol=atol)
+
+
+@interpreter_only
+@pytest.mark.parametrize(
+    "block_size, launch",
+    [(4, {}), (16, VARIANTS["swap-slices-page"] | {"tile": 16})],
+    ids=["plain", "variants"],
+)
+def test_decode_leaves_prefill_and_empty_requests_alone(block_size, launch):
+    _check_non_decode_rows_untouched(4, 32, 16, block_size, torch.float32, 1e-5, launch)
 
 
 @interpreter_only
@@ -216,6 +269,41 @@ def test_selector_picks_the_mla_backend(monkeypatch):
         get_mla_backend(torch.device(DEVICE))
 
 
+@interpreter_only
+def test_decode_bfloat16_variant_close_to_reference():
+    out, want = _run_decode(
+        [5, 38], 16, 32, 16, 16, torch.bfloat16, 2, tile=16, swap=True, block_v=16
+    )
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "launch, message",
+    [
+        ({"block_v": 24}, r"block_v must be a power of two in \[16, 32\]"),
+        ({"block_v": 64}, r"block_v must be a power of two in \[16, 32\]"),
+        ({"block_v": 8}, r"block_v must be a power of two in \[16, 32\]"),
+        ({"page_tile": True, "tile": 16}, r"page_tile needs tile \(16\) to divide"),
+    ],
+)
+def test_decode_rejects_bad_launch(launch, message):
+    q = torch.zeros(1, 2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match=message):
+        mla_decode(
+            q,
+            torch.zeros(1, 2, 16, device=DEVICE),
+            torch.zeros(2, 4, 48, device=DEVICE),
+            torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
+            torch.ones(1, dtype=torch.int32, device=DEVICE),
+            torch.arange(2, dtype=torch.int32, device=DEVICE),
+            1,
+            1.0,
+            torch.empty_like(q),
+            **launch,
+        )
+
+
 def test_decode_rejects_mismatched_cache():
     q = torch.zeros(1, 2, 32, device=DEVICE)
     with pytest.raises(ValueError, match="kv_cache must be"):
@@ -233,6 +321,12 @@ def test_decode_rejects_mismatched_cache():
 
 
 # ---- GPU: DeepSeek shapes -------------------------------------------------------------------
+
+
+def _launch_id(value):
+    if isinstance(value, dict):
+        return "-".join(f"{k}{v}" for k, v in value.items()) or "default"
+    return None
 
 
 def _random_seq_lens(batch: int, longest: int, seed: int) -> list[int]:
@@ -255,10 +349,11 @@ def test_gpu_decode_deepseek_shapes(heads, block_size, dtype, num_splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("launch", [{}, {"swap": True, "block_v": 256}], ids=_launch_id)
 @pytest.mark.parametrize("batch", [1, 64])
-def test_gpu_decode_float32_is_tight(batch):
+def test_gpu_decode_float32_is_tight(batch, launch):
     seq_lens = _random_seq_lens(batch, 1000, seed=batch)
-    out, want = _run_decode(seq_lens, 16, 512, 64, 16, torch.float32, None, seed=batch)
+    out, want = _run_decode(seq_lens, 16, 512, 64, 16, torch.float32, None, seed=batch, **launch)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
 
@@ -270,3 +365,75 @@ def test_gpu_backend_mixed_step_matches_cpu_reference(heads):
         heads, 128, 64, 128, 512, 16, [300, 0, 77, 1000], [1, 40, 9, 1], torch.bfloat16, seed=6
     )
     _compare_backends(step, scale=192**-0.5, atol=2e-2)
+
+
+# Launches of each variant the sweep tries (benchmarks/sweep_mla.py), all within the H200's
+# shared memory; 20 heads leave the second head tile mostly empty.
+GPU_VARIANTS = [
+    (16, {"swap": True, "tile": 64, "num_warps": 8, "num_stages": 2}),
+    (16, {"swap": True, "tile": 32, "num_warps": 4, "num_stages": 3, "page_tile": True}),
+    (16, {"swap": True, "tile": 32, "num_warps": 4, "num_stages": 3, "block_v": 256}),
+    (20, {"swap": True, "tile": 32, "num_warps": 8, "num_stages": 3, "block_v": 128}),
+    (128, {"block_h": 64, "tile": 32, "num_warps": 8, "num_stages": 3, "block_v": 256}),
+    (128, {"block_h": 64, "tile": 32, "num_warps": 8, "num_stages": 2, "block_v": 128}),
+    (128, {"swap": True, "block_h": 64, "tile": 32, "num_warps": 8, "block_v": 128}),
+    (128, {"swap": True, "block_h": 128, "tile": 32, "num_warps": 16, "block_v": 128}),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+@pytest.mark.parametrize("heads, launch", GPU_VARIANTS, ids=_launch_id)
+def test_gpu_decode_variants_deepseek_shapes(heads, launch, num_splits):
+    seq_lens = _random_seq_lens(12, 4096, seed=heads)
+    out, want = _run_decode(
+        seq_lens, heads, 512, 64, 64, torch.bfloat16, num_splits, seed=heads, **launch
+    )
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "heads, launch", [(16, {}), GPU_VARIANTS[1], GPU_VARIANTS[6]], ids=_launch_id
+)
+def test_gpu_decode_leaves_prefill_and_empty_requests_alone(heads, launch):
+    _check_non_decode_rows_untouched(heads, 512, 64, 64, torch.bfloat16, 1e-2, launch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "heads, launch", [(16, {}), GPU_VARIANTS[2], GPU_VARIANTS[4]], ids=_launch_id
+)
+def test_gpu_decode_cuda_graph_replay(heads, launch):
+    """Captured once with split-KV, replayed with new queries and sequence lengths: the launch
+    takes only python ints from the host, everything per request comes from device tensors."""
+    batch, context, scale = 8, 2048, 0.05
+    cache, table = make_latent_case([context] * batch, 64, 512, 64, torch.bfloat16, seed=2)
+    q_nope, q_pe = _queries(batch, heads, 512, 64, torch.bfloat16, seed=3)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(q_nope)
+
+    def step():
+        mla_decode(q_nope, q_pe, cache, table, lens, starts, context, scale, out, 4, **launch)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in (4, 5):
+        seq_lens = _random_seq_lens(batch, context, seed)
+        lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        new_nope, new_pe = _queries(batch, heads, 512, 64, torch.bfloat16, seed)
+        q_nope.copy_(new_nope)
+        q_pe.copy_(new_pe)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference_decode(q_nope, q_pe, cache, table, seq_lens, scale)
+        torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)

@@ -15,6 +15,20 @@ the request's sequence. Every latent it loads feeds all BLOCK_H heads (scores as
 each cached byte is read once per step, and once per head tile beyond that (the other tiles
 usually find it in L2).
 
+Launch variants (LaunchConfig; the defaults are the plain form above):
+- swap: the same products transposed, scores^T = latent @ q_nope^T + k_pe @ q_pe^T [TILE, BLOCK_H]
+  and out^T += latent^T @ p^T [R, BLOCK_H]. The tokens and the latent dims become the M of the
+  dots and the heads their N: a tensor-core dot on Hopper (wgmma) needs M >= 64, so with 16
+  heads only the transposed form reads the latent tile from shared memory; the plain one pulls
+  it into registers.
+- block_v: a program accumulates only a slice of block_v latent (value) dims of the output, so
+  its accumulator is [BLOCK_H, block_v]. Each slice's program still computes the full scores
+  (every one of the R + P dims enters q . k): the scores are computed once per slice, and the
+  slice is loaded a second time for the value product (from L2, the scores' load just brought
+  it there).
+- page_tile: a loop step's TILE tokens lie in one cache block (TILE divides the block size), so
+  the step loads one block id and the rows are consecutive slots, not one block id per token.
+
 Split-KV (flash-decoding). With few requests the (request, head tile) programs cannot fill the
 device, so the sequence is cut into `num_splits` pieces handled by separate programs; each writes
 its output normalised by its own softmax sum plus its log-sum-exp, and a second kernel merges
@@ -49,6 +63,12 @@ class LaunchConfig:
     """Cached tokens per loop iteration."""
     num_warps: int
     num_stages: int
+    swap: bool = False
+    """Transposed dots: tokens and latent dims as the dots' M, heads as their N."""
+    block_v: int | None = None
+    """Latent (value) dims of the output per program; None = all of them."""
+    page_tile: bool = False
+    """One cache block per loop step (TILE divides the block size): one block id per step."""
 
 
 def launch_config(num_heads: int, dot_f32: bool) -> LaunchConfig:
@@ -93,13 +113,17 @@ def _mla_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     TILE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    SWAP: tl.constexpr,
+    PAGE_TILE: tl.constexpr,
     USE_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # Head tiles vary fastest, so the programs reading one request's split run side by side and
-    # the tiles after the first find its latents in L2.
-    head_tile = tl.program_id(0)
+    # Value slices, then head tiles vary fastest, so the programs reading one request's split
+    # run side by side and all but the first find its latents in L2.
+    head_tile = tl.program_id(0) // (RANK_PAD // BLOCK_V)
+    v_slice = tl.program_id(0) % (RANK_PAD // BLOCK_V)
     req = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -115,6 +139,8 @@ def _mla_decode_kernel(
     dim_valid = dims < RANK
     rope_dims = tl.arange(0, ROPE_PAD)
     rope_valid = rope_dims < ROPE
+    v_dims = v_slice * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_valid = v_dims < RANK
     q_nope = tl.load(
         q_nope_ptr + token * stride_qn_t + heads[:, None] * stride_qn_h + dims[None, :],
         mask=head_valid[:, None] & dim_valid[None, :],
@@ -141,14 +167,23 @@ def _mla_decode_kernel(
     # A finite initial max keeps exp2(m_i - m_new) finite for splits that see no key.
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, RANK_PAD], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_V, BLOCK_H], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
     offs_t = tl.arange(0, TILE)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     for tile in range(tile_lo, tile_hi):
         pos = tile * TILE + offs_t
         pos_valid = pos < seq_len
-        block_id = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
-        row = cache_ptr + block_id * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
+        if PAGE_TILE:
+            # tile < num_tiles, so the step's first token is cached and its block id is valid.
+            block_id = tl.load(table_row + tile * TILE // BLOCK_SIZE).to(tl.int64)
+            slots = (tile * TILE % BLOCK_SIZE + offs_t).to(tl.int64)
+            row = cache_ptr + block_id * stride_cb + slots * stride_cs
+        else:
+            block_id = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+            row = cache_ptr + block_id * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
         latent = tl.load(
             row[:, None] + dims[None, :], mask=pos_valid[:, None] & dim_valid[None, :], other=0.0
         )
@@ -160,33 +195,63 @@ def _mla_decode_kernel(
         if DOT_F32:
             latent = latent.to(tl.float32)
             k_pe = k_pe.to(tl.float32)
-        scores = tl.dot(q_nope, tl.trans(latent), input_precision=DOT_PRECISION)
-        scores = tl.dot(q_pe, tl.trans(k_pe), acc=scores, input_precision=DOT_PRECISION)
-        scores = tl.where(pos_valid[None, :], scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(latent.dtype), latent, acc=acc, input_precision=DOT_PRECISION)
+        if BLOCK_V == RANK_PAD:
+            latent_v = latent
+        else:
+            latent_v = tl.load(
+                row[:, None] + v_dims[None, :],
+                mask=pos_valid[:, None] & v_valid[None, :],
+                other=0.0,
+            )
+            if DOT_F32:
+                latent_v = latent_v.to(tl.float32)
+        if SWAP:
+            scores = tl.dot(latent, tl.trans(q_nope), input_precision=DOT_PRECISION)
+            scores = tl.dot(k_pe, tl.trans(q_pe), acc=scores, input_precision=DOT_PRECISION)
+            scores = tl.where(pos_valid[:, None], scores * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 0))
+            p = tl.exp2(scores - m_new[None, :])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha[None, :]
+            acc = tl.dot(
+                tl.trans(latent_v),
+                p.to(latent_v.dtype),
+                acc=acc,
+                input_precision=DOT_PRECISION,
+            )
+        else:
+            scores = tl.dot(q_nope, tl.trans(latent), input_precision=DOT_PRECISION)
+            scores = tl.dot(q_pe, tl.trans(k_pe), acc=scores, input_precision=DOT_PRECISION)
+            scores = tl.where(pos_valid[None, :], scores * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.exp2(scores - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(latent_v.dtype), latent_v, acc=acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if SWAP:
+        acc = tl.trans(acc)
     result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if USE_SPLITS:
-        # Partials: out [num_reqs, NUM_HEADS, num_splits, RANK] and lse [.., num_splits] (log2).
+        # Partials: out [num_reqs, NUM_HEADS, num_splits, RANK_PAD] (this program's value slice)
+        # and lse [.., num_splits] (log2).
         stat_off = (req.to(tl.int64) * NUM_HEADS + heads) * num_splits + split
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + stat_off, lse, mask=head_valid)
+        if v_slice == 0:  # every value slice computes the same lse; one writes it
+            lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+            tl.store(part_lse_ptr + stat_off, lse, mask=head_valid)
         tl.store(
-            part_out_ptr + stat_off[:, None] * RANK_PAD + dims[None, :],
+            part_out_ptr + stat_off[:, None] * RANK_PAD + v_dims[None, :],
             result,
             mask=head_valid[:, None],
         )
     else:
         tl.store(
-            out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+            out_ptr + token * stride_ot + heads[:, None] * stride_oh + v_dims[None, :],
             result.to(out_ptr.dtype.element_ty),
-            mask=head_valid[:, None] & dim_valid[None, :],
+            mask=head_valid[:, None] & v_valid[None, :],
         )
 
 
@@ -336,6 +401,9 @@ def mla_decode(
     tile: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    swap: bool | None = None,
+    block_v: int | None = None,
+    page_tile: bool | None = None,
 ) -> None:
     """Absorbed MLA of every decode request's token over its cached latents, into output.
 
@@ -347,8 +415,10 @@ def mla_decode(
     [num_reqs, max_blocks] / seq_lens [num_reqs] / query_start_loc [num_reqs + 1] are int32 on
     the query's device. `num_splits` forces the split-KV factor (None picks it from the shape);
     `max_seq_len` bounds every seq_lens entry. `block_h` (heads per program), `tile` (cached
-    tokens per loop step), `num_warps` and `num_stages` override the launch configuration
-    (None picks it from the shape, see `launch_config`).
+    tokens per loop step), `num_warps`, `num_stages`, `swap` (transposed dots), `block_v` (latent
+    dims of the output per program; a power of two up to kv_lora_rank's) and `page_tile` (one
+    cache block per loop step; tile must divide the block size) override the launch
+    configuration (None picks it from the shape, see `launch_config` and `LaunchConfig`).
     """
     _check_args(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, output)
     num_reqs = seq_lens.shape[0]
@@ -362,15 +432,34 @@ def mla_decode(
     tile = default.tile if tile is None else tile
     num_warps = default.num_warps if num_warps is None else num_warps
     num_stages = default.num_stages if num_stages is None else num_stages
+    swap = default.swap if swap is None else swap
+    rank_pad = max(16, triton.next_power_of_2(rank))
+    # Defaults that do not fit this shape fall back to the plain form; overrides must fit.
+    if block_v is None:
+        block_v = min(default.block_v or rank_pad, rank_pad)
+    if page_tile is None:
+        page_tile = default.page_tile and kv_cache.shape[1] % tile == 0
     if block_h < 16 or block_h & (block_h - 1):
         raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
     if tile < 16 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of two >= 16, got {tile}")
+    if block_v < 16 or block_v & (block_v - 1) or block_v > rank_pad:
+        raise ValueError(
+            f"block_v must be a power of two in [16, {rank_pad}] (kv_lora_rank {rank} rounded "
+            f"up), got {block_v}"
+        )
+    if page_tile and kv_cache.shape[1] % tile:
+        raise ValueError(
+            f"page_tile needs tile ({tile}) to divide the cache block size ({kv_cache.shape[1]})"
+        )
     num_head_tiles = triton.cdiv(num_heads, block_h)
-    rank_pad = max(16, triton.next_power_of_2(rank))
+    num_v_slices = rank_pad // block_v
     if num_splits is None:
         num_splits = choose_num_splits(
-            num_reqs * num_head_tiles, max_seq_len, tile, _target_programs(q_nope.device)
+            num_reqs * num_head_tiles * num_v_slices,
+            max_seq_len,
+            tile,
+            _target_programs(q_nope.device),
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -384,7 +473,7 @@ def mla_decode(
         )
     else:
         part_out = part_lse = output  # unused by the kernel
-    _mla_decode_kernel[(num_head_tiles, num_reqs, num_splits)](
+    _mla_decode_kernel[(num_head_tiles * num_v_slices, num_reqs, num_splits)](
         output,
         part_out,
         part_lse,
@@ -413,6 +502,9 @@ def mla_decode(
         BLOCK_SIZE=kv_cache.shape[1],
         BLOCK_H=block_h,
         TILE=tile,
+        BLOCK_V=block_v,
+        SWAP=bool(swap),
+        PAGE_TILE=bool(page_tile),
         USE_SPLITS=use_splits,
         DOT_F32=dot_f32,
         DOT_PRECISION="ieee" if dot_f32 else "tf32",
