@@ -37,6 +37,31 @@ def gpu_kernel_ms(prof: profile) -> float:
     return sum(e.device_time for e in events) / 1e3
 
 
+def _kernel_totals(prof: profile) -> dict[str, tuple[float, int]]:
+    """Device microseconds and launches per kernel name."""
+    totals: dict[str, tuple[float, int]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            us, calls = totals.get(event.name, (0.0, 0))
+            totals[event.name] = (us + event.device_time, calls + 1)
+    return totals
+
+
+def decode_kernels_per_step(prof: profile, prefill_prof: profile, steps: int) -> str:
+    """Per decode step: each kernel's device time and launches, the prefill-only trace's
+    subtracted from the prefill + `steps` decode steps trace, largest first."""
+    full, prefill = _kernel_totals(prof), _kernel_totals(prefill_prof)
+    rows = []
+    for name, (us, calls) in full.items():
+        base_us, base_calls = prefill.get(name, (0.0, 0))
+        rows.append(((us - base_us) / steps, (calls - base_calls) / steps, name))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    lines = [f"decode step: {total:.1f} us of kernels per step (prefill-only trace subtracted)"]
+    lines += [f"{us:9.1f} us {calls:7.1f} x  {name[:90]}" for us, calls, name in rows[:30]]
+    return "\n".join(lines)
+
+
 def profile_batch(llm: LLM, batch: int, args, vocab: int, out_dir: Path) -> None:
     steps = args.steps
     timed_generate(llm, random_prompts(batch, args.input_len, vocab, 1), 8)  # warm-up
@@ -44,13 +69,16 @@ def profile_batch(llm: LLM, batch: int, args, vocab: int, out_dir: Path) -> None
     long = timed_generate(llm, random_prompts(batch, args.input_len, vocab, 3), 1 + steps)
     wall_ms = (long - short) / steps * 1e3
 
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prefill_prof:
+        timed_generate(llm, random_prompts(batch, args.input_len, vocab, 6), 1)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         timed_generate(llm, random_prompts(batch, args.input_len, vocab, 4), 1 + steps)
-    # The trace holds one prefill step too; per-step GPU time is read off the decode share.
+    # The trace holds one prefill step too: the per-step table subtracts a prefill-only trace.
     table = prof.key_averages().table(
         sort_by="self_device_time_total", row_limit=30, max_name_column_width=70
     )
-    (out_dir / f"kernels_b{batch}.txt").write_text(table)
+    per_step = decode_kernels_per_step(prof, prefill_prof, steps)
+    (out_dir / f"kernels_b{batch}.txt").write_text(per_step + "\n\n" + table)
     if args.trace:
         prof.export_chrome_trace(str(out_dir / f"trace_b{batch}.json"))
 
@@ -67,6 +95,7 @@ def profile_batch(llm: LLM, batch: int, args, vocab: int, out_dir: Path) -> None
         f"1 prefill + {steps} decode steps (see kernels_b{batch}.txt, host_b{batch}.txt)",
         flush=True,
     )
+    print("\n".join(per_step.splitlines()[:16]), flush=True)
 
 
 def profile_prefill(llm: LLM, tokens: int, vocab: int, out_dir: Path) -> None:
