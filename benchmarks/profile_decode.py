@@ -49,7 +49,9 @@ def _kernel_totals(prof: profile) -> dict[str, tuple[float, int]]:
 
 def decode_kernels_per_step(prof: profile, prefill_prof: profile, steps: int) -> str:
     """Per decode step: each kernel's device time and launches, the prefill-only trace's
-    subtracted from the prefill + `steps` decode steps trace, largest first."""
+    subtracted from the prefill + `steps` decode steps trace, largest first. Exact only when
+    the batch's prompts fit one step (batch x input-len <= max_num_batched_tokens): chunked
+    prompts overlap the first requests' decode steps, and those mixed steps do not subtract."""
     full, prefill = _kernel_totals(prof), _kernel_totals(prefill_prof)
     rows = []
     for name, (us, calls) in full.items():
