@@ -49,9 +49,9 @@ def _kernel_totals(prof: profile) -> dict[str, tuple[float, int]]:
 
 def decode_kernels_per_step(prof: profile, prefill_prof: profile, steps: int) -> str:
     """Per decode step: each kernel's device time and launches, the prefill-only trace's
-    subtracted from the prefill + `steps` decode steps trace, largest first. Exact only when
-    the batch's prompts fit one step (batch x input-len <= max_num_batched_tokens): chunked
-    prompts overlap the first requests' decode steps, and those mixed steps do not subtract."""
+    subtracted from the prefill + `steps` decode steps trace, largest first. Exact because the
+    engine is built so that a batch's prompts prefill in one step (main): chunked prompts would
+    overlap the first requests' decode steps, and such mixed steps do not subtract."""
     full, prefill = _kernel_totals(prof), _kernel_totals(prefill_prof)
     rows = []
     for name, (us, calls) in full.items():
@@ -144,7 +144,9 @@ def main() -> None:
         dtype="bfloat16",
         quantization=args.quantization,
         max_model_len=max_len,
-        max_num_batched_tokens=max(max_len, 8192),
+        # Every batch's prompts prefill in one step, so that step is all the prefill-only trace
+        # holds and the per-decode-step table subtracts it exactly.
+        max_num_batched_tokens=max(max_len, 8192, max(batch_sizes) * args.input_len),
         max_num_seqs=max(batch_sizes),
         enable_prefix_caching=False,
         compilation_config=args.compilation_level,
