@@ -43,6 +43,7 @@ from bench_utils import HBM_BYTES_PER_S
 
 from v1_engine.kernels import fp8, fp8_cutlass, triton_gemv
 from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
+from v1_engine.layers.quantization.fp8_moe import quantize_matrix_block_fp8
 
 SHAPES = {  # name: (N, K) of Llama-3-8B's linears
     "qkv": (6144, 4096),
@@ -211,7 +212,7 @@ class Problem:
             qw, self.scale_w = fp8.per_token_fp8_quant(w)
             self.xs = {m: fp8.per_token_fp8_quant(x) for m, x in xs.items()}
         else:
-            qw, self.scale_w = block_quantize(w)
+            qw, self.scale_w = quantize_matrix_block_fp8(w)
             self.xs = {m: fp8.per_token_group_fp8_quant(x, 128) for m, x in xs.items()}
         self.weights = [qw] + [qw.clone() for _ in range(copies - 1)]
 
@@ -237,15 +238,6 @@ class Problem:
         if self.kind == "bf16":
             return triton_gemv.launch_config(m, n, k)
         return fp8_skinny.fp8_launch_config(self.kind, m, n, k)
-
-
-def block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 w [N, K] (N, K multiples of 128) with one float32 scale per 128 x 128 block."""
-    n, k = w.shape
-    blocks = w.float().reshape(n // 128, 128, k // 128, 128)
-    scale = (blocks.abs().amax(dim=(1, 3)) / fp8.FP8_MAX).clamp(min=fp8.FP8_MIN_SCALE)
-    q = fp8.quantize_with_scale(blocks, scale[:, None, :, None]).reshape(n, k)
-    return q, scale
 
 
 def matches(problem: Problem, m: int, launch: dict, ref: torch.Tensor) -> bool:

@@ -27,7 +27,8 @@ if not _CUDA:
             importlib.reload(sys.modules[_name])
 
 from v1_engine.kernels import fp8
-from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from v1_engine.kernels.fp8 import FP8_DTYPE
+from v1_engine.layers.quantization.fp8_moe import quantize_matrix_block_fp8
 
 triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
 skinny = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8")
@@ -60,13 +61,8 @@ def quantize(x: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor
 
 def block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 w [N, K] with one scale per 128x128 block (partial blocks at the N and K ends)."""
-    n, k = w.shape
-    nb, kb = -(-n // 128), -(-k // 128)
-    padded = torch.nn.functional.pad(w.float(), (0, kb * 128 - k, 0, nb * 128 - n))
-    blocks = padded.reshape(nb, 128, kb, 128)
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
-    q = fp8.quantize_with_scale(blocks, scale[:, None, :, None]).reshape(nb * 128, kb * 128)
-    return q[:n, :k].contiguous(), scale
+    q, scale = quantize_matrix_block_fp8(w)
+    return q.contiguous(), scale
 
 
 def strided_rows(q: torch.Tensor) -> torch.Tensor:

@@ -44,8 +44,8 @@ _MODE_IDS = {name: index for index, name in enumerate(MODES)}
 _DOT_ROWS = 16
 """tl.dot needs every dimension >= 16: the dot bodies pad x's rows to this."""
 
-_ALIGN_ELEMS = 8
-"""K and x's row stride in elements must keep rows 16-byte aligned for vector loads."""
+_ALIGN_BYTES = 16
+"""K and x's row stride must keep rows 16-byte aligned for vector loads."""
 
 TUNED_LAUNCH: dict[tuple[int, int, int], dict[str, int | str] | None] = {
     (1, 6144, 4096): {
@@ -424,19 +424,27 @@ def precompile(dtype: torch.dtype, m: int, n: int, k: int, **launch: int | str) 
     )
 
 
-def fits_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the op runs the skinny kernel: 1..SKINNY_MAX_M rows of bf16/fp16, 2-D operands
-    of one dtype, a contiguous weight and bias, and 16-byte aligned rows (vector loads)."""
+def skinny_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The layout every skinny kernel (bf16 here, FP8 in triton_gemv_fp8.py) needs: 2-D x of
+    1..SKINNY_MAX_M rows with K contiguous, a contiguous 2-D weight of the same K, and rows that
+    start 16-byte aligned (vector loads). Dtypes are the caller's to check."""
     if x.dim() != 2 or weight.dim() != 2 or not 1 <= x.shape[0] <= SKINNY_MAX_M:
-        return False
-    if x.dtype not in SKINNY_DTYPES or weight.dtype != x.dtype:
         return False
     k = x.shape[1]
     if weight.shape[1] != k or not weight.is_contiguous() or x.stride(1) != 1:
         return False
-    if k % _ALIGN_ELEMS or (x.shape[0] > 1 and x.stride(0) % _ALIGN_ELEMS):
+    align = _ALIGN_BYTES // x.element_size()
+    if k % align or (x.shape[0] > 1 and x.stride(0) % align):
         return False
-    if x.data_ptr() % 16 or weight.data_ptr() % 16:
+    return x.data_ptr() % _ALIGN_BYTES == 0 and weight.data_ptr() % _ALIGN_BYTES == 0
+
+
+def fits_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the op runs the skinny kernel: bf16/fp16 operands of one dtype laid out as
+    `skinny_operands` needs, and a contiguous bias of that dtype."""
+    if x.dtype not in SKINNY_DTYPES or weight.dtype != x.dtype:
+        return False
+    if not skinny_operands(x, weight):
         return False
     return bias is None or (
         bias.dtype == x.dtype and bias.shape == (weight.shape[0],) and bias.is_contiguous()

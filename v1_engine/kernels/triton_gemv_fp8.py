@@ -40,9 +40,6 @@ SCALE_GROUP = 128
 
 FP8_DTYPE = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16)
-_ALIGN_BYTES = 16
-"""Rows of e4m3 operands must start 16-byte aligned for vector loads: K and a's row stride are
-multiples of 16 elements."""
 
 _BLOCK_S4 = {"mode": "dot_swap", "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4}
 _BLOCK_S6 = _BLOCK_S4 | {"num_stages": 6}
@@ -275,19 +272,10 @@ def prefers_fp8_skinny(kind: str, m: int, n: int, k: int) -> bool:
 
 
 def fits_fp8_skinny(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether the kernels take these operands: 1..SKINNY_MAX_M rows of 2-D e4m3 a and b, a
-    contiguous weight, K-contiguous activations, 16-byte aligned rows (vector loads) and a
-    contiguous bias. Scales may have any strides (the kernels read them through strides)."""
-    if a.dim() != 2 or b.dim() != 2 or not 1 <= a.shape[0] <= triton_gemv.SKINNY_MAX_M:
-        return False
-    if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
-        return False
-    k = a.shape[1]
-    if b.shape[1] != k or not b.is_contiguous() or a.stride(1) != 1:
-        return False
-    if k % _ALIGN_BYTES or (a.shape[0] > 1 and a.stride(0) % _ALIGN_BYTES):
-        return False
-    if a.data_ptr() % _ALIGN_BYTES or b.data_ptr() % _ALIGN_BYTES:
+    """Whether the kernels take these operands: e4m3 a and b laid out as
+    triton_gemv.skinny_operands needs, and a contiguous bias. Scales may have any strides (the
+    kernels read them through strides)."""
+    if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE or not triton_gemv.skinny_operands(a, b):
         return False
     return bias is None or (bias.shape == (b.shape[0],) and bias.is_contiguous())
 
@@ -302,14 +290,10 @@ def _vector_stride(scale: torch.Tensor) -> int:
     return scale.stride(long_dims[0])
 
 
-def _interpreting() -> bool:
-    return triton_gemv._interpreting()
-
-
 def _constexprs(m: int, config: dict[str, int | str]) -> dict[str, int | bool]:
     """Compile-time arguments and launch options shared by both kernels."""
     return {
-        "DOT_F32": _interpreting(),
+        "DOT_F32": triton_gemv._interpreting(),
         "BLOCK_M": max(triton_gemv._DOT_ROWS, m_bucket(m)),
         "BLOCK_N": config["block_n"],
         "BLOCK_K": config["block_k"],

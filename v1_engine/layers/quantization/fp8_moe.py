@@ -58,7 +58,10 @@ def block_grid(rows: int, cols: int) -> tuple[int, int]:
     return -(-rows // BLOCK_SIZE), -(-cols // BLOCK_SIZE)
 
 
-def _quantize_matrix(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_matrix_block_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [rows, cols] matrix -> (e4m3 [rows, cols], a view of the padded block grid; float32
+    scales [ceil(rows/128), ceil(cols/128)]), each 128x128 block's largest magnitude mapped to
+    e4m3's max."""
     rows, cols = weight.shape
     grid_rows, grid_cols = block_grid(rows, cols)
     padded = torch.nn.functional.pad(
@@ -81,5 +84,5 @@ def quantize_experts_block_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torc
         (num_experts, *block_grid(rows, cols)), dtype=torch.float32, device=weight.device
     )
     for expert in range(num_experts):
-        q[expert], scale[expert] = _quantize_matrix(weight[expert])
+        q[expert], scale[expert] = quantize_matrix_block_fp8(weight[expert])
     return q, scale
