@@ -24,6 +24,12 @@ __global__ void reshape_and_cache_kernel(const Word* __restrict__ key,
                                          int64_t words_per_token,  // strides below: in words
                                          int64_t key_row_stride,
                                          int64_t value_row_stride, int64_t num_slots) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Programmatic dependent launch (a no-op when launched without it): let the next kernel start,
+  // then wait for the previous one's writes (K/V come from it) before touching memory.
+  asm volatile("griddepcontrol.launch_dependents;");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   const int64_t token = blockIdx.x;
   const int64_t slot = slot_mapping[token];
   // Negative slots are padding tokens; slots past the cache would be a caller bug, and skipping
@@ -70,16 +76,24 @@ struct RowBytes {
 template <typename Word>
 cudaError_t launch(const void* key, const void* value, void* kv_cache,
                    const int64_t* slot_mapping, int64_t num_tokens, int64_t num_slots,
-                   int word_bytes, const RowBytes& bytes, cudaStream_t stream) {
+                   int word_bytes, const RowBytes& bytes, int pdl, cudaStream_t stream) {
   const int64_t words_per_token = bytes.row / word_bytes;
   int64_t threads = (words_per_token + kWarpSize - 1) / kWarpSize * kWarpSize;
   if (threads > kMaxThreadsPerBlock) threads = kMaxThreadsPerBlock;
-  reshape_and_cache_kernel<Word><<<static_cast<unsigned>(num_tokens),
-                                   static_cast<unsigned>(threads), 0, stream>>>(
-      static_cast<const Word*>(key), static_cast<const Word*>(value),
-      static_cast<Word*>(kv_cache), slot_mapping, words_per_token,
-      bytes.key_stride / word_bytes, bytes.value_stride / word_bytes, num_slots);
-  return cudaGetLastError();
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(num_tokens));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.stream = stream;
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, reshape_and_cache_kernel<Word>,
+                            static_cast<const Word*>(key), static_cast<const Word*>(value),
+                            static_cast<Word*>(kv_cache), slot_mapping, words_per_token,
+                            bytes.key_stride / word_bytes, bytes.value_stride / word_bytes,
+                            num_slots);
 }
 
 }  // namespace
@@ -95,7 +109,8 @@ const char* v1e_error_string(int code) {
 int v1e_reshape_and_cache(const void* key, const void* value, void* kv_cache,
                           const int64_t* slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
                           int64_t head_size, int64_t key_row_stride, int64_t value_row_stride,
-                          int64_t num_blocks, int64_t block_size, int dtype, void* stream) {
+                          int64_t num_blocks, int64_t block_size, int dtype, int pdl,
+                          void* stream) {
   const int elem = element_size(dtype);
   const int64_t row = num_kv_heads * head_size;
   if (num_tokens == 0) return cudaSuccess;
@@ -118,16 +133,16 @@ int v1e_reshape_and_cache(const void* key, const void* value, void* kv_cache,
   switch (word) {
     case 16:
       return launch<uint4>(key, value, kv_cache, slot_mapping, num_tokens, num_slots, word,
-                           bytes, s);
+                           bytes, pdl, s);
     case 8:
       return launch<uint2>(key, value, kv_cache, slot_mapping, num_tokens, num_slots, word,
-                           bytes, s);
+                           bytes, pdl, s);
     case 4:
       return launch<uint32_t>(key, value, kv_cache, slot_mapping, num_tokens, num_slots, word,
-                              bytes, s);
+                              bytes, pdl, s);
     default:
       return launch<uint16_t>(key, value, kv_cache, slot_mapping, num_tokens, num_slots, word,
-                              bytes, s);
+                              bytes, pdl, s);
   }
 }
 

@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define V1E_ABI_VERSION 3
+#define V1E_ABI_VERSION 4
 
 #if defined(_WIN32)
 #define V1E_API __declspec(dllexport)
@@ -49,6 +49,8 @@ V1E_API const char* v1e_error_string(int code);
  *               slot_mapping[t] = block * block_size + offset. A negative slot (padding) is
  *               skipped, and so is a slot >= num_blocks * block_size (no out-of-bounds write).
  * dtype:        a v1e_dtype code; all three tensors share it.
+ * pdl:          nonzero launches with programmatic dependent launch (sm_90+): the kernel may
+ *               start while the previous one drains and waits for its writes before any access.
  * stream:       the cudaStream_t to launch on.
  *
  * Returns cudaErrorInvalidValue for a bad argument, else the launch status.
@@ -57,7 +59,7 @@ V1E_API int v1e_reshape_and_cache(const void* key, const void* value, void* kv_c
                                   const int64_t* slot_mapping, int64_t num_tokens,
                                   int64_t num_kv_heads, int64_t head_size, int64_t key_row_stride,
                                   int64_t value_row_stride, int64_t num_blocks, int64_t block_size,
-                                  int dtype, void* stream);
+                                  int dtype, int pdl, void* stream);
 
 /* 1 when the library holds the CUTLASS FP8 GEMMs below; 0 when it was built without the CUTLASS
  * headers (then v1e_scaled_mm and v1e_block_scaled_mm return cudaErrorNotSupported). */

@@ -206,6 +206,7 @@ def test_library_rejects_bad_arguments_before_touching_the_device(field: str, ba
         "num_blocks": 1,
         "block_size": 4,
         "dtype": 0,
+        "pdl": 0,
         "stream": None,
     }
     args[field] = bad

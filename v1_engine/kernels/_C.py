@@ -17,7 +17,7 @@ import torch
 
 LIBRARY_FILENAME = "libv1engine_kernels.so"
 LIBRARY_ENV_VAR = "V1ENGINE_KERNELS_LIB"
-ABI_VERSION = 3
+ABI_VERSION = 4
 """Must equal V1E_ABI_VERSION in csrc/v1engine_kernels.h."""
 
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -77,6 +77,7 @@ def _declare_signatures(lib: ctypes.CDLL) -> None:
         _i64,  # num_blocks
         _i64,  # block_size
         ctypes.c_int,  # dtype code
+        ctypes.c_int,  # pdl (programmatic dependent launch)
         _ptr,  # cudaStream_t
     ]
     lib.v1e_reshape_and_cache.restype = ctypes.c_int

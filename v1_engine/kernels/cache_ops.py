@@ -180,6 +180,8 @@ def _reshape_and_cache_cuda(
             f"{_C.library_path()} does not exist: build it with `pip install -e .` where nvcc is "
             f"on PATH, or point {_C.LIBRARY_ENV_VAR} at a built {_C.LIBRARY_FILENAME}"
         )
+    from v1_engine.kernels.pdl import use_pdl  # CUDA only, where triton is installed
+
     key, value = _with_dense_rows(key), _with_dense_rows(value)
     slot_mapping = slot_mapping.contiguous()
     num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape[1:]
@@ -198,6 +200,7 @@ def _reshape_and_cache_cuda(
             num_blocks,
             block_size,
             _C.DTYPE_CODES[kv_cache.dtype],
+            int(use_pdl(kv_cache.device)),
             stream,
         )
     _C.check_status(lib, code, "v1e_reshape_and_cache")

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels.cache_ops import check_fp8_scales
+from v1_engine.kernels.pdl import launch_options, pdl_enter
 
 _LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -168,7 +169,9 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -271,8 +274,10 @@ def _merge_splits_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t, h] = sum_s w_s * o_s / sum_s w_s with w_s = l_s * 2^(m_s - max_s m_s)."""
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -462,6 +467,7 @@ def paged_attention(
         KV_FP8=kv_fp8,
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch_options(query.device),
     )
     if use_splits:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -477,6 +483,7 @@ def paged_attention(
             HEAD_PAD=head_pad,
             SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
             num_warps=4 if head_pad >= 128 else 2,
+            **launch_options(query.device),
         )
 
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from v1_engine.kernels.pdl import launch_options, pdl_enter
 from v1_engine.kernels.triton_quant import _round_to_e4m3
 
 
@@ -48,7 +49,9 @@ def _quantize_and_cache_kernel(
     HEAD_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:
@@ -103,4 +106,5 @@ def quantize_and_cache(
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_PAD=head_pad,
         num_warps=4 if num_kv_heads * head_pad >= 1024 else 2,
+        **launch_options(key.device),
     )

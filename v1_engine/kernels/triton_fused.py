@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from v1_engine.kernels.pdl import launch_options, pdl_enter
 from v1_engine.kernels.triton_fused_quant import (
     _TL_DTYPES,
     MAX_BLOCK,
@@ -48,8 +49,10 @@ def _add_rms_norm_kernel(
     IN_DTYPE: tl.constexpr,
     NORM_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per row: x + residual stored with its sum of squares, then the norm."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     residual_row = residual_ptr + row * residual_row_stride
@@ -82,8 +85,10 @@ def _silu_and_mul_kernel(
     x_row_stride,
     IN_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (row, block of output columns)."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < half_len
@@ -120,6 +125,7 @@ def add_rms_norm(
         NORM_DTYPE=_TL_DTYPES[norm_dtype],
         BLOCK=block,
         num_warps=_num_warps(block),
+        **launch_options(x.device),
     )
     return out, residual_out
 
@@ -140,5 +146,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         IN_DTYPE=_TL_DTYPES[x.dtype],
         BLOCK=block,
         num_warps=4,
+        **launch_options(x.device),
     )
     return out

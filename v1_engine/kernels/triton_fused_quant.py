@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from v1_engine.kernels.pdl import launch_options, pdl_enter
 from v1_engine.kernels.triton_quant import _round_to_e4m3
 
 MAX_BLOCK = 16384
@@ -105,9 +106,11 @@ def _rms_norm_quant_kernel(
     FP8_MAX_: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per row: the sum of squares (storing x + residual on the way), then per group
     the amax of the normed values and their quantization. One group per row = per token."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     residual_row = residual_ptr + row * residual_row_stride
@@ -170,8 +173,10 @@ def _silu_and_mul_quant_kernel(
     FP8_MAX_: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (row, group) of the output: amax of silu(gate) * up, then quantize."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     start = group * group_len
@@ -259,6 +264,7 @@ def rms_norm_quant(
         MIN_SCALE=FP8_MIN_SCALE,
         BLOCK=block,
         num_warps=_num_warps(block),
+        **launch_options(x.device),
     )
     return q, scales, residual_out
 
@@ -289,5 +295,6 @@ def silu_and_mul_quant(
         MIN_SCALE=FP8_MIN_SCALE,
         BLOCK=block,
         num_warps=_num_warps(block),
+        **launch_options(x.device),
     )
     return q, scales

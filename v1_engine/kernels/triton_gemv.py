@@ -28,6 +28,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from v1_engine.kernels.pdl import launch_options, pdl_enter, prefetch_rows_l2
+
 SKINNY_MAX_M = 16
 """Largest row count the skinny kernel takes; more rows go to F.linear (compute starts to
 matter there and the vendor GEMM's tiles fit)."""
@@ -249,8 +251,13 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per BLOCK_N output columns, looping over all of K (MODE: see the module)."""
+    # The weight slice is this program's BLOCK_N contiguous rows: start it towards L2 while the
+    # previous kernel (which produced x) finishes.
+    prefetch_rows_l2(w_ptr, tl.program_id(0) * BLOCK_N, BLOCK_N, stride_wn, N, PDL)
+    pdl_enter(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -352,7 +359,9 @@ def resolve_launch(m: int, n: int, k: int, launch: dict[str, int | str]) -> dict
     return config
 
 
-def _constexprs(m: int, dtype: torch.dtype, has_bias: bool, config: dict) -> dict:
+def _constexprs(
+    m: int, dtype: torch.dtype, has_bias: bool, config: dict, device: torch.device
+) -> dict:
     """The kernel's compile-time arguments and launch options for a resolved config."""
     mode = _MODE_IDS[config["mode"]]
     return {
@@ -365,7 +374,7 @@ def _constexprs(m: int, dtype: torch.dtype, has_bias: bool, config: dict) -> dic
         "NUM_STAGES": config["num_stages"],
         "num_warps": config["num_warps"],
         "num_stages": config["num_stages"],
-    }
+    } | launch_options(device)
 
 
 def skinny_gemm(
@@ -398,7 +407,7 @@ def skinny_gemm(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        **_constexprs(m, x.dtype, bias is not None, config),
+        **_constexprs(m, x.dtype, bias is not None, config, x.device),
     )
     return out
 
@@ -420,7 +429,7 @@ def precompile(dtype: torch.dtype, m: int, n: int, k: int, **launch: int | str) 
         k,
         n,
         grid=(1,),
-        **_constexprs(m, dtype, False, config),
+        **_constexprs(m, dtype, False, config, torch.device("cuda")),
     )
 
 

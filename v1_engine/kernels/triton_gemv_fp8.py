@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels import triton_gemv
+from v1_engine.kernels.pdl import launch_options, pdl_enter, prefetch_rows_l2
 from v1_engine.kernels.triton_gemv import _dot, m_bucket
 
 KINDS = ("channel", "block")
@@ -138,9 +139,12 @@ def _fp8_skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Per-tensor/per-channel kind: one program per BLOCK_N output columns over all of K; scale
     strides are 0 for a per-tensor scale."""
+    prefetch_rows_l2(b_ptr, tl.program_id(0) * BLOCK_N, BLOCK_N, stride_bn, N, PDL)
+    pdl_enter(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -185,10 +189,13 @@ def _fp8_block_skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Block-scaled kind: BLOCK_K is the scale group and BLOCK_N divides it, so each step's weight
     tile has one scale (scale_b[n // BLOCK_K, kb]) and each activation row one (scale_a[m, kb])."""
     pid = tl.program_id(0)
+    prefetch_rows_l2(b_ptr, pid * BLOCK_N, BLOCK_N, stride_bn, N, PDL)
+    pdl_enter(PDL)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -290,7 +297,9 @@ def _vector_stride(scale: torch.Tensor) -> int:
     return scale.stride(long_dims[0])
 
 
-def _constexprs(m: int, config: dict[str, int | str]) -> dict[str, int | bool]:
+def _constexprs(
+    m: int, config: dict[str, int | str], device: torch.device
+) -> dict[str, int | bool]:
     """Compile-time arguments and launch options shared by both kernels."""
     return {
         "DOT_F32": triton_gemv._interpreting(),
@@ -300,7 +309,7 @@ def _constexprs(m: int, config: dict[str, int | str]) -> dict[str, int | bool]:
         "NUM_STAGES": config["num_stages"],
         "num_warps": config["num_warps"],
         "num_stages": config["num_stages"],
-    }
+    } | launch_options(device)
 
 
 def _check_out_dtype(out_dtype: torch.dtype) -> None:
@@ -349,7 +358,7 @@ def fp8_skinny_gemm(
         _vector_stride(scale_a),
         _vector_stride(scale_b),
         HAS_BIAS=bias is not None,
-        **_constexprs(m, config),
+        **_constexprs(m, config, a.device),
     )
     return out
 
@@ -390,7 +399,7 @@ def fp8_block_skinny_gemm(
         out.stride(0),
         *scale_a.stride(),
         *scale_b.stride(),
-        **_constexprs(m, config),
+        **_constexprs(m, config, a.device),
     )
     return out
 
@@ -403,7 +412,7 @@ def precompile_fp8(
     kind): lets a tuning sweep compile its configurations in parallel processes. Scale strides
     are never specialized, so one compile serves every scale granularity."""
     config = resolve_fp8_launch(kind, m, n, k, launch)
-    constexprs = _constexprs(m, config)
+    constexprs = _constexprs(m, config, torch.device("cuda"))
     fp8, fp32 = FP8_DTYPE, torch.float32
     if kind == "channel":
         args = (fp8, fp8, fp32, fp32, out_dtype, out_dtype, m, n, k, k, k, n, 1, 1)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from v1_engine.kernels.pdl import launch_options, pdl_enter
 
 MAX_BLOCK = 16384
 """Widest chunk of a row one loop iteration loads (registers stay bounded for long rows). Rows
@@ -54,9 +55,11 @@ def _group_quant_kernel(
     FP8_MAX_: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (row, group): amax over the group, then quantize it. A per-token quant is
     the case of one group per row; a group longer than BLOCK is walked in BLOCK chunks."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     start = group * group_len
@@ -89,8 +92,10 @@ def _static_quant_kernel(
     x_row_stride,
     FP8_MAX_: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (row, BLOCK chunk): x / scale with the one per-tensor scale."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < row_len
@@ -142,6 +147,7 @@ def per_token_group_quant(
         MIN_SCALE=FP8_MIN_SCALE,
         BLOCK=block,
         num_warps=_num_warps(block),
+        **launch_options(x.device),
     )
     return q, scales
 
@@ -164,5 +170,6 @@ def static_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         FP8_MAX_=FP8_MAX,
         BLOCK=block,
         num_warps=_num_warps(block),
+        **launch_options(x.device),
     )
     return q

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from v1_engine.kernels.pdl import launch_options, pdl_enter
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 PAIRS_PER_PROGRAM = 256
@@ -93,9 +95,11 @@ def _rope_kernel(
     HALF_PAD: tl.constexpr,
     HEAD_BLOCK: tl.constexpr,
     IS_NEOX: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (token, block): block < cdiv(Hq, HEAD_BLOCK) rotates query heads, the rest key
     heads; both use the token's cos/sin row, gathered here by its position."""
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     num_q_blocks = tl.cdiv(num_q_heads, HEAD_BLOCK)
@@ -229,5 +233,6 @@ def rotary_embedding(
         HEAD_BLOCK=head_block,
         IS_NEOX=is_neox_style,
         num_warps=num_warps,
+        **launch_options(query.device),
     )
     return q_out, k_out

@@ -1,0 +1,167 @@
+"""Compiles every PDL kernel for sm_90 (no GPU needed) and prints, as JSON, where its grid
+dependency instructions and memory accesses sit in the PTX. Run by test_pdl.py in a fresh
+process, since the kernel tests turn on Triton's interpreter for the rest of the session.
+
+Each public launcher is called on small CPU tensors with PDL forced on; the kernel's `run` is
+replaced by a recorder, so nothing launches: the recorded arguments become the kernel's signature
+and constexprs, compiled with an explicit sm_90 target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from v1_engine.kernels import (  # noqa: E402
+    pdl,
+    triton_attention,
+    triton_cache,
+    triton_fused,
+    triton_fused_quant,
+    triton_gemv,
+    triton_gemv_fp8,
+    triton_quant,
+    triton_rope,
+)
+
+_TYPES = {
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.float32: "*fp32",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+    torch.float8_e4m3fn: "*fp8e4nv",
+}
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+_MEMORY_OP = re.compile(r"\b(ld\.global|st\.global|atom\.|red\.global|cp\.async\.(?!bulk\.prefetch))")
+
+recorded: dict[str, tuple[triton.JITFunction, tuple, dict]] = {}
+
+
+def _recorder(kernel: triton.JITFunction):
+    def run(*args, grid, warmup, **kwargs):
+        recorded[kernel.fn.__name__] = (kernel, args, kwargs)
+
+    return run
+
+
+def _signature(kernel: triton.JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict]:
+    bound = dict(zip(kernel.arg_names, args)) | kwargs
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        value = bound[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = _TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        else:
+            signature[param.name] = "fp32"
+    return signature, constexprs
+
+
+def _positions(ptx: str) -> dict:
+    lines = [line.strip() for line in ptx.splitlines()]
+
+    def first(pattern: str) -> int:
+        return next((i for i, line in enumerate(lines) if pattern in line), -1)
+
+    memory = [i for i, line in enumerate(lines) if _MEMORY_OP.search(line)]
+    return {
+        "launch_dependents": first("griddepcontrol.launch_dependents"),
+        "wait": first("griddepcontrol.wait"),
+        "prefetch": first("cp.async.bulk.prefetch.L2"),
+        "first_memory_op": memory[0] if memory else -1,
+        "memory_ops": len(memory),
+    }
+
+
+def _launch_all() -> None:
+    bf16, dev = torch.bfloat16, torch.device("cpu")
+    x = torch.randn(2, 256, dtype=bf16, device=dev)
+    w = torch.randn(128, 256, dtype=bf16, device=dev)
+    triton_gemv.skinny_gemm(x, w)
+    triton_fused.add_rms_norm(x, x.clone(), torch.ones(256, dtype=bf16), 1e-6)
+    triton_fused.silu_and_mul(x)
+    triton_fused_quant.rms_norm_quant(x, x.clone(), torch.ones(256, dtype=bf16), 1e-6, 128)
+    triton_fused_quant.silu_and_mul_quant(x, 128)
+    triton_quant.per_token_group_quant(x, 128)
+    triton_quant.static_quant(x, torch.ones(1))
+    a8 = x.to(torch.float8_e4m3fn)
+    b8 = w.to(torch.float8_e4m3fn)
+    triton_gemv_fp8.fp8_skinny_gemm(a8, b8, torch.ones(2, 1), torch.ones(128, 1), bf16)
+    triton_gemv_fp8.fp8_block_skinny_gemm(a8, b8, torch.ones(2, 2), torch.ones(1, 2), bf16)
+    q = torch.randn(3, 4, 64, dtype=bf16)
+    k = torch.randn(3, 2, 64, dtype=bf16)
+    cos_sin = torch.randn(16, 32, dtype=torch.float32)
+    triton_rope.rotary_embedding(
+        torch.arange(3, dtype=torch.int64), q, k, cos_sin, cos_sin.clone(), True
+    )
+    kv_cache = torch.zeros(2, 4, 16, 2, 64, dtype=bf16)
+    seq_lens = torch.tensor([40], dtype=torch.int32)
+    triton_attention.paged_attention(
+        q[:1],
+        kv_cache,
+        torch.tensor([[0, 1, 2]], dtype=torch.int32),
+        seq_lens,
+        torch.tensor([0, 1], dtype=torch.int32),
+        1,
+        40,
+        0.125,
+        torch.empty_like(q[:1]),
+        num_splits=2,
+    )
+    fp8_cache = torch.zeros(2, 4, 16, 2, 64, dtype=torch.float8_e4m3fn)
+    triton_cache.quantize_and_cache(
+        k, k.clone(), fp8_cache, torch.arange(3, dtype=torch.int64), torch.ones(1), torch.ones(1)
+    )
+
+
+def main() -> None:
+    for module in (
+        triton_attention,
+        triton_cache,
+        triton_fused,
+        triton_fused_quant,
+        triton_gemv,
+        triton_gemv_fp8,
+        triton_quant,
+        triton_rope,
+    ):
+        for value in vars(module).values():
+            if isinstance(value, triton.JITFunction) and value.fn.__module__ == module.__name__:
+                value.run = _recorder(value)
+    pdl.use_pdl = lambda device: True
+    _launch_all()
+    target = GPUTarget("cuda", 90, 32)
+    report = {}
+    for name, (kernel, args, kwargs) in sorted(recorded.items()):
+        options = {key: kwargs.pop(key) for key in _LAUNCH_OPTIONS if key in kwargs}
+        signature, constexprs = _signature(kernel, args, kwargs)
+        compiled = triton.compile(
+            ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+            target=target,
+            options=options,
+        )
+        report[name] = _positions(compiled.asm["ptx"]) | {
+            "launch_pdl": bool(compiled.metadata.launch_pdl),
+            "pdl_constexpr": bool(constexprs.get("PDL")),
+        }
+    json.dump(report, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

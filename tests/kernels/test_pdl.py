@@ -1,0 +1,126 @@
+"""Programmatic dependent launch (kernels/pdl.py): when it is on, that every PDL kernel keeps the
+contract in its PTX (signal, then wait, before any memory access; weight GEMMs prefetch before
+the wait), and on the GPU that a chain of PDL kernels in a CUDA graph never reads a stale value."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from v1_engine.kernels import pdl
+
+PROBE = Path(__file__).with_name("pdl_ptx_probe.py")
+PDL_KERNELS = {
+    "_add_rms_norm_kernel",
+    "_fp8_block_skinny_kernel",
+    "_fp8_skinny_kernel",
+    "_group_quant_kernel",
+    "_merge_splits_kernel",
+    "_paged_attention_kernel",
+    "_quantize_and_cache_kernel",
+    "_rms_norm_quant_kernel",
+    "_rope_kernel",
+    "_silu_and_mul_kernel",
+    "_silu_and_mul_quant_kernel",
+    "_skinny_gemm_kernel",
+    "_static_quant_kernel",
+}
+WEIGHT_STREAMING = {"_skinny_gemm_kernel", "_fp8_skinny_kernel", "_fp8_block_skinny_kernel"}
+
+
+def test_off_on_the_cpu_and_when_disabled(monkeypatch):
+    assert not pdl.use_pdl(torch.device("cpu"))
+    assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setattr(pdl, "PDL_ENABLED", False)
+    assert not pdl.use_pdl(torch.device("cuda", 0))  # decided before any CUDA query
+    monkeypatch.setattr(pdl, "PDL_ENABLED", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl.use_pdl(torch.device("cuda", 0))
+
+
+@pytest.fixture(scope="module")
+def ptx_report() -> dict:
+    done = subprocess.run(
+        [sys.executable, str(PROBE)], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_every_pdl_kernel_was_compiled(ptx_report):
+    assert set(ptx_report) == PDL_KERNELS
+
+
+@pytest.mark.parametrize("kernel", sorted(PDL_KERNELS))
+def test_ptx_waits_before_any_memory_access(ptx_report, kernel):
+    where = ptx_report[kernel]
+    assert where["launch_pdl"] and where["pdl_constexpr"]
+    assert where["memory_ops"] > 0
+    assert 0 <= where["launch_dependents"] < where["wait"] < where["first_memory_op"], where
+    if kernel in WEIGHT_STREAMING:
+        assert 0 <= where["prefetch"] < where["wait"], where
+    else:
+        assert where["prefetch"] == -1, where
+
+
+@pytest.mark.gpu
+def test_chain_in_a_cuda_graph_reads_fresh_values():
+    """add+RMSNorm -> GEMM -> SiLU-and-mul -> GEMM -> add+RMSNorm, replayed with new inputs:
+    each kernel starts early under PDL, so a missing or misplaced wait would read the previous
+    replay's (or uninitialised) intermediates."""
+    from v1_engine.kernels import triton_fused, triton_gemv
+
+    assert pdl.use_pdl(torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden, inter = 4096, 14336
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+    w_gate_up = rand(2 * inter, hidden, scale=hidden**-0.5)
+    w_down = rand(hidden, inter, scale=inter**-0.5)
+    norm_w = rand(hidden) + 1
+    x = rand(1, hidden)
+    residual = rand(1, hidden)
+
+    def chain():
+        h, res = triton_fused.add_rms_norm(x, residual, norm_w, 1e-6)
+        up = triton_gemv.skinny_gemm(h, w_gate_up)
+        act = triton_fused.silu_and_mul(up)
+        down = triton_gemv.skinny_gemm(act, w_down)
+        return triton_fused.add_rms_norm(down, res, norm_w, 1e-6)
+
+    def reference():
+        s = (x.float() + residual.float()).to(torch.bfloat16)
+        h = (s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(
+            torch.bfloat16
+        ) * norm_w
+        up = (h.float() @ w_gate_up.float().T).to(torch.bfloat16)
+        gate, lin = up.float().chunk(2, dim=-1)
+        act = (torch.nn.functional.silu(gate).to(torch.bfloat16).float() * lin).to(torch.bfloat16)
+        down = (act.float() @ w_down.float().T).to(torch.bfloat16)
+        s2 = (down.float() + s.float()).to(torch.bfloat16)
+        out = (s2.float() * torch.rsqrt(s2.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(
+            torch.bfloat16
+        ) * norm_w
+        return out, s2
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        chain()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, res_out = chain()
+    for _ in range(20):
+        x.copy_(rand(1, hidden))
+        residual.copy_(rand(1, hidden))
+        graph.replay()
+        want, want_res = reference()
+        torch.testing.assert_close(res_out.float(), want_res.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out.float(), want.float(), rtol=3e-2, atol=3e-2)
