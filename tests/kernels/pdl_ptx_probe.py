@@ -16,12 +16,12 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-from v1_engine.kernels import (  # noqa: E402
+from v1_engine.kernels import (
     pdl,
     triton_attention,
     triton_cache,
@@ -42,7 +42,9 @@ _TYPES = {
     torch.float8_e4m3fn: "*fp8e4nv",
 }
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
-_MEMORY_OP = re.compile(r"\b(ld\.global|st\.global|atom\.|red\.global|cp\.async\.(?!bulk\.prefetch))")
+_MEMORY_OP = re.compile(
+    r"\b(ld\.global|st\.global|atom\.|red\.global|cp\.async\.(?!bulk\.prefetch))"
+)
 
 recorded: dict[str, tuple[triton.JITFunction, tuple, dict]] = {}
 
