@@ -10,13 +10,15 @@ weight that none is served from L2 (as consecutive layers are not). Every config
 checked against the baseline's before it is timed. Prints the baseline and the best config per
 shape and M as achieved weight bandwidth against the HBM roofline, then the `TUNED_LAUNCH` table
 for triton_gemv.py (`FP8_TUNED_LAUNCH[kind]` for triton_gemv_fp8.py; None where the baseline
-stays faster).
+stays faster): the module's current table with the swept (M bucket, N, K) entries replaced or
+added, so a sweep of some buckets (`--m 32,64`) prints a table that keeps the others.
 
 All configs are compiled first, in parallel processes (Triton's on-disk cache carries them over);
 then each shape gets a time budget, most promising configs first.
 
     python benchmarks/sweep_skinny_gemm.py --seconds 20
     python benchmarks/sweep_skinny_gemm.py --fp8 channel --shapes qkv,o_proj,gate_up,down
+    python benchmarks/sweep_skinny_gemm.py --m 32,64 --seconds 10
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ CALLS = 10
 L2_BYTES = 60e6
 SMEM_BYTES = 200 * 1024
 """Pipeline buffers above this cannot fit an SM's shared memory (with room for the epilogue)."""
-FMA_MAX_M = 4
+FMA_MAX_M = triton_gemv.FMA_MAX_M
 """The fma body keeps M rows of partial products in registers: only small M."""
 
 
@@ -78,23 +80,36 @@ def block_ks(kind: str, fma: bool) -> tuple[int, ...]:
     return (512, 256, 1024) if fma else (256, 128, 512)
 
 
+def block_m(launch: dict, m: int) -> int:
+    """The rows the kernel tiles x into for M (triton_gemv's BLOCK_M): M's bucket, at least the
+    dot's 16 rows in the tensor-core bodies."""
+    bucket = triton_gemv.m_bucket(m)
+    return bucket if launch["mode"] == "fma" else max(triton_gemv._DOT_ROWS, bucket)
+
+
+def smem_bytes(kind: str, launch: dict, m: int) -> int:
+    """Shared memory of the pipeline buffers: num_stages weight and x tiles."""
+    rows = launch["block_n"] + block_m(launch, m)
+    return launch["num_stages"] * rows * launch["block_k"] * element_bytes(kind)
+
+
 def dot_configs(kind: str) -> list[dict]:
-    """Tensor-core bodies, most promising first; pipeline buffers must fit shared memory."""
+    """Tensor-core bodies, most promising first: those whose pipeline buffers fit shared memory
+    at the smallest BLOCK_M (`applies` checks each M's own)."""
     space = itertools.product(
         (4, 3, 6), block_ks(kind, fma=False), (16, 32, 64), (4, 8), ("dot_swap", "dot")
     )
     configs = []
     for stages, block_k, block_n, warps, mode in space:
-        if stages * (block_n + 16) * block_k * element_bytes(kind) <= SMEM_BYTES:
-            configs.append(
-                {
-                    "mode": mode,
-                    "block_n": block_n,
-                    "block_k": block_k,
-                    "num_warps": warps,
-                    "num_stages": stages,
-                }
-            )
+        launch = {
+            "mode": mode,
+            "block_n": block_n,
+            "block_k": block_k,
+            "num_warps": warps,
+            "num_stages": stages,
+        }
+        if smem_bytes(kind, launch, 1) <= SMEM_BYTES:
+            configs.append(launch)
     return configs
 
 
@@ -129,8 +144,12 @@ def interleave(dot: list[dict], fma: list[dict]) -> list[dict]:
     return merged + fma
 
 
-def applies(launch: dict, m: int) -> bool:
-    return launch["mode"] != "fma" or m <= FMA_MAX_M
+def applies(kind: str, launch: dict, m: int) -> bool:
+    """Whether the config runs at M: the fma body only up to FMA_MAX_M rows, and the pipeline
+    buffers of M's BLOCK_M must fit shared memory."""
+    if launch["mode"] == "fma" and m > FMA_MAX_M:
+        return False
+    return smem_bytes(kind, launch, m) <= SMEM_BYTES
 
 
 def _compile_one(job: tuple[str, int, dict]) -> str | None:
@@ -147,15 +166,16 @@ def _compile_one(job: tuple[str, int, dict]) -> str | None:
 
 
 def precompile_all(kind: str, configs: list[dict], ms: list[int], workers: int) -> None:
-    """Compile every config for every distinct BLOCK_M (dot bodies pad M to 16; fma rounds M up
-    to a power of two). N and K only matter to the kernel through their divisibility by 16,
-    which every swept shape shares, so one compile serves all shapes."""
+    """Compile every config for every distinct BLOCK_M of the Ms it applies to (`block_m`). M
+    itself is not specialized, and N and K only matter to the kernel through their divisibility
+    by 16, which every swept shape shares, so one compile serves all shapes and Ms of a BLOCK_M."""
     jobs = []
     for launch in configs:
-        buckets = {triton_gemv.m_bucket(m) for m in ms if applies(launch, m)}
-        if launch["mode"] != "fma":
-            buckets = set(list(buckets)[:1])
-        jobs += [(kind, bucket, launch) for bucket in sorted(buckets)]
+        rows = {}
+        for m in sorted(ms):
+            if applies(kind, launch, m):
+                rows.setdefault(block_m(launch, m), m)
+        jobs += [(kind, m, launch) for m in rows.values()]
     start = time.perf_counter()
     if workers > 0:
         context = multiprocessing.get_context("spawn")
@@ -262,7 +282,7 @@ def sweep_shape(
         tried += 1
         for m in ms:
             chosen = default[m] if launch is None else launch
-            if not applies(chosen, m):
+            if not applies(kind, chosen, m):
                 continue
             try:
                 if not matches(problem, m, chosen, refs[m]):
@@ -308,7 +328,9 @@ def report(kind: str, name: str, n: int, k: int, results: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"any of {list(SHAPES)}")
-    parser.add_argument("--m", default="1,2,4,8,16", help="batch sizes (1..16)")
+    parser.add_argument(
+        "--m", default="1,2,4,8,16", help=f"batch sizes (1..{triton_gemv.SKINNY_MAX_M})"
+    )
     parser.add_argument("--seconds", type=float, default=20.0, help="timing budget per shape")
     parser.add_argument(
         "--modes", default=None, help="bodies to sweep (default: every body the kind has)"
@@ -338,15 +360,17 @@ def main() -> None:
     torch.manual_seed(0)
     begin = time.perf_counter()
     precompile_all(kind, configs, ms, args.workers)
-    table = {}
+    table = dict(triton_gemv.TUNED_LAUNCH if kind == "bf16" else fp8_skinny.FP8_TUNED_LAUNCH[kind])
     for name in names:
         n, k = SHAPES[name]
         results = sweep_shape(kind, name, n, k, ms, configs, args.seconds)
         table |= report(kind, name, n, k, results)
-    print(f"\nsuggested table ({time.perf_counter() - begin:.0f} s in all):")
+    print(f"\nsuggested table ({time.perf_counter() - begin:.0f} s in all; the current one with")
+    print("the swept entries replaced or added):")
     print("TUNED_LAUNCH = {" if kind == "bf16" else f"FP8_TUNED_LAUNCH[{kind!r}] = {{")
-    for key, launch in table.items():
-        print(f"    {key}: {launch},")
+    shape_order = list(dict.fromkeys(key[1:] for key in table))
+    for key in sorted(table, key=lambda key: (shape_order.index(key[1:]), key[0])):
+        print(f"    {key}: {table[key]},")
     print("}")
 
 

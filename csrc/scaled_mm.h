@@ -35,6 +35,7 @@ struct ScaledMmParams {
   int device;
   int sm_count;
   cudaStream_t stream;
+  bool pdl;  // launch with programmatic dependent launch
 };
 
 struct BlockScaledMmParams {
@@ -48,6 +49,7 @@ struct BlockScaledMmParams {
   int device;
   int sm_count;
   cudaStream_t stream;
+  bool pdl;  // launch with programmatic dependent launch
 };
 
 // Each returns a cudaError_t value: cudaErrorInvalidValue when CUTLASS rejects the problem, with

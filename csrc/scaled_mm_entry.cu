@@ -142,7 +142,7 @@ const char* v1e_fp8_gemm_error(void) { return last_error; }
 int v1e_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
                   const float* scale_b, const void* bias, int64_t m, int64_t n, int64_t k,
                   int64_t lda, int64_t ldb, int scale_a_per_row, int scale_b_per_col,
-                  int out_dtype, int config, void* stream) {
+                  int out_dtype, int config, int pdl, void* stream) {
   last_error[0] = '\0';
   const int status = check_problem("v1e_scaled_mm", out, a, b, m, n, k, lda, ldb, out_dtype);
   if (status != cudaSuccess) return status;
@@ -156,7 +156,7 @@ int v1e_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
 #ifdef V1E_WITH_CUTLASS
   v1e::ScaledMmParams params{out, a, b, scale_a, scale_b, bias, m, n, k, lda, ldb,
                              scale_a_per_row != 0, scale_b_per_col != 0, 0, 0,
-                             static_cast<cudaStream_t>(stream)};
+                             static_cast<cudaStream_t>(stream), pdl != 0};
   const cudaError_t error = current_device(&params.device, &params.sm_count);
   if (error != cudaSuccess) {
     v1e::set_error("cannot query the current device: %s", cudaGetErrorString(error));
@@ -170,6 +170,7 @@ int v1e_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
   (void)bias;
   (void)scale_a_per_row;
   (void)scale_b_per_col;
+  (void)pdl;
   (void)stream;
   v1e::set_error("the library was built without the CUTLASS headers");
   return cudaErrorNotSupported;
@@ -178,7 +179,8 @@ int v1e_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
 
 int v1e_block_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
                         const float* scale_b, int64_t m, int64_t n, int64_t k, int64_t lda,
-                        int64_t ldb, int64_t ld_scale_a, int out_dtype, void* stream) {
+                        int64_t ldb, int64_t ld_scale_a, int out_dtype, int pdl,
+                        void* stream) {
   last_error[0] = '\0';
   const int status =
       check_problem("v1e_block_scaled_mm", out, a, b, m, n, k, lda, ldb, out_dtype);
@@ -202,7 +204,7 @@ int v1e_block_scaled_mm(void* out, const void* a, const void* b, const float* sc
   }
 #ifdef V1E_WITH_CUTLASS
   v1e::BlockScaledMmParams params{out, a, b, scale_a, scale_b, m, n, k, lda, ldb, ld_scale_a,
-                                  0, 0, static_cast<cudaStream_t>(stream)};
+                                  0, 0, static_cast<cudaStream_t>(stream), pdl != 0};
   const cudaError_t error = current_device(&params.device, &params.sm_count);
   if (error != cudaSuccess) {
     v1e::set_error("cannot query the current device: %s", cudaGetErrorString(error));
@@ -213,6 +215,7 @@ int v1e_block_scaled_mm(void* out, const void* a, const void* b, const float* sc
   }
   return dispatch_block_scaled_mm<V1E_DTYPE_FLOAT16>(params);
 #else
+  (void)pdl;
   (void)stream;
   v1e::set_error("the library was built without the CUTLASS headers");
   return cudaErrorNotSupported;

@@ -141,7 +141,8 @@ struct ScaledMmKernel {
 // Checks the CUTLASS arguments part by part (so a rejection names the part that refused, see
 // set_error) and launches; no workspace, no host sync. `what` names the GEMM in messages.
 template <class Gemm>
-int launch_gemm(typename Gemm::Arguments& args, cudaStream_t stream, const char* what) {
+int launch_gemm(typename Gemm::Arguments& args, cudaStream_t stream, bool pdl,
+                const char* what) {
   using GemmKernel = typename Gemm::GemmKernel;
   const auto& shape = args.problem_shape;
   const int m = get<0>(shape), n = get<1>(shape), k = get<2>(shape);
@@ -174,7 +175,7 @@ int launch_gemm(typename Gemm::Arguments& args, cudaStream_t stream, const char*
     return set_error("%s: CUTLASS initialize failed (TMA descriptor setup): %s", what,
                      cutlass::cutlassGetStatusString(init));
   }
-  if (gemm.run(stream) != cutlass::Status::kSuccess) {
+  if (gemm.run(stream, nullptr, pdl) != cutlass::Status::kSuccess) {
     const cudaError_t error = cudaGetLastError();
     set_error("%s: kernel launch failed: %s", what,
               cudaGetErrorString(error != cudaSuccess ? error : cudaErrorLaunchFailure));
@@ -236,7 +237,7 @@ int run_scaled_mm(const ScaledMmParams& p) {
                                 {epilogue_args, nullptr, stride_d,
                                  static_cast<ElementD*>(p.out), stride_d},
                                 hw_info};
-  return launch_gemm<Gemm>(args, p.stream, "v1e_scaled_mm");
+  return launch_gemm<Gemm>(args, p.stream, p.pdl, "v1e_scaled_mm");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -335,7 +336,7 @@ int run_block_scaled_mm(const BlockScaledMmParams& p) {
       hw_info};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
-  return launch_gemm<Gemm>(args, p.stream, "v1e_block_scaled_mm");
+  return launch_gemm<Gemm>(args, p.stream, p.pdl, "v1e_block_scaled_mm");
 }
 
 }  // namespace sm90

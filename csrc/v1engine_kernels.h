@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define V1E_ABI_VERSION 4
+#define V1E_ABI_VERSION 5
 
 #if defined(_WIN32)
 #define V1E_API __declspec(dllexport)
@@ -84,6 +84,7 @@ V1E_API const char* v1e_fp8_gemm_error(void);
  * scale_b:  fp32, N values when scale_b_per_col, else 1.
  * bias:     [N] of out_dtype, or NULL.
  * config:   tile configuration id in [0, v1e_scaled_mm_num_configs()); the caller picks it by M.
+ * pdl:      nonzero launches with programmatic dependent launch (as v1e_reshape_and_cache).
  * K, N, lda, ldb must be multiples of 16 and a, b, out 16-byte aligned (TMA).
  *
  * Returns cudaErrorInvalidValue for a bad argument or a problem the kernel cannot run, else the
@@ -92,7 +93,7 @@ V1E_API const char* v1e_fp8_gemm_error(void);
 V1E_API int v1e_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
                           const float* scale_b, const void* bias, int64_t m, int64_t n, int64_t k,
                           int64_t lda, int64_t ldb, int scale_a_per_row, int scale_b_per_col,
-                          int out_dtype, int config, void* stream);
+                          int out_dtype, int config, int pdl, void* stream);
 
 /*
  * out[M, N] from block-scaled e4m3 operands (the DeepSeek-V3 layout), fp32 accumulation with the
@@ -109,7 +110,7 @@ V1E_API int v1e_scaled_mm(void* out, const void* a, const void* b, const float* 
 V1E_API int v1e_block_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
                                 const float* scale_b, int64_t m, int64_t n, int64_t k,
                                 int64_t lda, int64_t ldb, int64_t ld_scale_a, int out_dtype,
-                                void* stream);
+                                int pdl, void* stream);
 
 #ifdef __cplusplus
 }

@@ -6,9 +6,15 @@ import os
 
 import pytest
 import torch
-from hf_reference import TINY_CONFIGS, make_tiny_model
 
 _HAS_CUDA = torch.cuda.is_available()
+if not _HAS_CUDA:
+    # Triton kernels run under the interpreter on the CPU. Set before any kernel module is
+    # imported, so every @triton.jit function of the session is interpreted, including helpers
+    # one kernel module imports from another (kernels/pdl.py), whatever order tests import them.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hf_reference import TINY_CONFIGS, make_tiny_model
 
 
 def pytest_collection_modifyitems(config, items):

@@ -42,9 +42,7 @@ _TYPES = {
     torch.float8_e4m3fn: "*fp8e4nv",
 }
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
-_MEMORY_OP = re.compile(
-    r"\b(ld\.global|st\.global|atom\.|red\.global|cp\.async\.(?!bulk\.prefetch))"
-)
+_MEMORY_OP = re.compile(r"\b(ld\.global|st\.global|atom\.|red\.global|cp\.async\.)")
 
 recorded: dict[str, tuple[triton.JITFunction, tuple, dict]] = {}
 
@@ -85,7 +83,6 @@ def _positions(ptx: str) -> dict:
     return {
         "launch_dependents": first("griddepcontrol.launch_dependents"),
         "wait": first("griddepcontrol.wait"),
-        "prefetch": first("cp.async.bulk.prefetch.L2"),
         "first_memory_op": memory[0] if memory else -1,
         "memory_ops": len(memory),
     }

@@ -188,6 +188,7 @@ _BLOCK_ARGS = {
     "ldb": 256,
     "ld_scale_a": 8,
     "out_dtype": _C.DTYPE_CODES[torch.bfloat16],
+    "pdl": 0,
     "stream": None,
 }
 
@@ -231,7 +232,7 @@ def test_block_scaled_mm_entry_names_the_failed_check(overrides: dict, match: st
 
 def test_scaled_mm_entry_names_the_failed_check() -> None:
     lib = _library_or_skip()
-    args = [0x1000, 0x2000, 0x3000, 0x4000, 0x5000, None, 4, 64, 64, 64, 64, 1, 1, 1, 0, None]
+    args = [0x1000, 0x2000, 0x3000, 0x4000, 0x5000, None, 4, 64, 64, 64, 64, 1, 1, 1, 0, 0, None]
     args[14] = fp8_cutlass.NUM_SCALED_MM_CONFIGS  # config id
     assert lib.v1e_scaled_mm(*args) == CUDA_ERROR_INVALID_VALUE
     assert lib.v1e_fp8_gemm_error().decode() == (

@@ -58,6 +58,16 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
     return out.float()
 
 
+def mode_and_m(*dot_ms: int) -> list[tuple[str, int]]:
+    """(mode, M) cases: `dot_ms` for the tensor-core bodies, the M <= FMA_MAX_M ones for fma."""
+    return [
+        (mode, m)
+        for mode in triton_gemv.MODES
+        for m in dot_ms
+        if mode != "fma" or m <= triton_gemv.FMA_MAX_M
+    ]
+
+
 def assert_matches(out: torch.Tensor, ref: torch.Tensor, k: int) -> None:
     if out.dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * k**0.5)
@@ -71,13 +81,13 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, k: int) -> None:
 
 
 @interpreter_only
-@pytest.mark.parametrize("mode", triton_gemv.MODES)
+@pytest.mark.parametrize(("mode", "m"), mode_and_m(1, 3, 16, 24, 64))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_matches_reference_interpreted(mode, dtype, m, with_bias):
+def test_kernel_matches_reference_interpreted(mode, m, dtype, with_bias):
     # N = 40 is not a multiple of BLOCK_N (16, or 8 for fma) and K = 80 not one of BLOCK_K = 32:
-    # both edges are masked; x's rows are strided.
+    # both edges are masked; x's rows are strided. M = 24 fills 24 of BLOCK_M = 32 rows, M = 64
+    # all of the largest bucket's.
     n, k = 40, 80
     x = strided_rows(m, k, dtype, 1)
     w = values((n, k), dtype, 2)
@@ -100,27 +110,30 @@ def test_default_launch_masks_a_short_k_interpreted():
 
 @interpreter_only
 def test_cuda_body_runs_the_kernel_up_to_max_m_interpreted(monkeypatch):
-    """The op's CUDA body on CPU tensors (the interpreter runs the kernel): M <= 16 of a measured
-    shape goes to the kernel; unmeasured shapes, M = 17, float32 operands and shapes the table
-    marks for F.linear go to F.linear."""
+    """The op's CUDA body on CPU tensors (the interpreter runs the kernel): M = SKINNY_MAX_M of a
+    measured shape goes to the kernel; unmeasured shapes, M = SKINNY_MAX_M + 1 (even with an
+    entry for its bucket), float32 operands and shapes the table marks for F.linear go to
+    F.linear."""
     calls = []
     kernel = triton_gemv.skinny_gemm
     monkeypatch.setattr(
         triton_gemv, "skinny_gemm", lambda *args, **kw: calls.append(1) or kernel(*args, **kw)
     )
+    max_m = triton_gemv.SKINNY_MAX_M
     w, bias = values((24, 64), torch.bfloat16, 6), values((24,), torch.bfloat16, 7)
-    x = values((16, 64), torch.bfloat16, 8)
+    x = values((max_m, 64), torch.bfloat16, 8)
     unmeasured = triton_gemv.skinny_linear_cuda(x, w, bias)  # no table entry: F.linear
     assert calls == [] and torch.equal(unmeasured, F.linear(x, w, bias))
     tuned = {"mode": "dot_swap", "block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 2}
-    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (16, 24, 64), tuned)
+    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (triton_gemv.m_bucket(max_m), 24, 64), tuned)
     out = triton_gemv.skinny_linear_cuda(x, w, bias)
     assert calls == [1]
     assert_matches(out, reference(x, w, bias), 64)
 
+    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (triton_gemv.m_bucket(max_m + 1), 24, 64), tuned)
     monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (2, 24, 64), None)  # measured: F.linear
     for x in (
-        values((17, 64), torch.bfloat16, 9),
+        values((max_m + 1, 64), torch.bfloat16, 9),
         values((3, 64), torch.float32, 10),
         values((2, 64), torch.bfloat16, 11),
     ):
@@ -138,8 +151,9 @@ def test_fits_skinny_rules():
     x = values((4, 64), torch.bfloat16, 2)
     fits = triton_gemv.fits_skinny
     assert fits(x, w, None) and fits(x, w, values((32,), torch.bfloat16, 3))
-    assert fits(values((16, 64), torch.float16, 4), w.half(), None)
-    assert not fits(values((17, 64), torch.bfloat16, 4), w, None)  # M > SKINNY_MAX_M
+    max_m = triton_gemv.SKINNY_MAX_M
+    assert fits(values((max_m, 64), torch.float16, 4), w.half(), None)
+    assert not fits(values((max_m + 1, 64), torch.bfloat16, 4), w, None)  # M > SKINNY_MAX_M
     assert not fits(x[:0], w, None)  # no rows
     assert not fits(x.float(), w.float(), None)  # float32 stays on F.linear
     assert not fits(x, w.half(), None)  # mixed dtypes
@@ -151,7 +165,8 @@ def test_fits_skinny_rules():
 
 
 def test_launch_table_and_overrides(monkeypatch):
-    assert [triton_gemv.m_bucket(m) for m in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    buckets = [triton_gemv.m_bucket(m) for m in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64)]
+    assert buckets == [1, 2, 4, 8, 8, 16, 16, 32, 64, 64]
     tuned = {"mode": "dot_swap", "block_n": 32, "block_k": 128, "num_warps": 8, "num_stages": 5}
     monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (4, 1024, 1024), tuned)
     assert triton_gemv.launch_config(3, 1024, 1024) == tuned  # M = 3 is in the 4 bucket
@@ -169,6 +184,12 @@ def test_launch_table_and_overrides(monkeypatch):
         with pytest.raises(ValueError, match=next(iter(bad)) if "block_m" not in bad else "key"):
             triton_gemv.resolve_launch(3, 1024, 1024, bad)
     assert triton_gemv.resolve_launch(1, 64, 64, {"mode": "fma", "block_n": 4})["block_n"] == 4
+    fma_max_m = triton_gemv.FMA_MAX_M
+    assert triton_gemv.resolve_launch(fma_max_m, 64, 64, {"mode": "fma"})["mode"] == "fma"
+    with pytest.raises(
+        ValueError, match=f"'fma' needs M in 1..{fma_max_m}, got M = {fma_max_m + 1}"
+    ):
+        triton_gemv.resolve_launch(fma_max_m + 1, 64, 64, {"mode": "fma", "block_n": 4})
     assert triton_gemv.prefers_skinny(3, 1024, 1024)  # the 4 bucket holds a config
     assert not triton_gemv.prefers_skinny(1, 64, 64)  # unmeasured: F.linear
     monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (16, 1024, 1024), None)  # F.linear faster
@@ -226,8 +247,9 @@ def llama3_weight(name: str) -> torch.Tensor:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 32, 64])
 def test_llama3_shapes_match_torch_mm_gpu(name, m):
+    # Through the op: the kernel where TUNED_LAUNCH holds the shape's M bucket, else F.linear.
     k = LLAMA3_8B_SHAPES[name][1]
     w = llama3_weight(name)
     x = values((m, k), torch.bfloat16, 2, "cuda")
@@ -240,8 +262,7 @@ def test_llama3_shapes_match_torch_mm_gpu(name, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", triton_gemv.MODES)
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize(("mode", "m"), mode_and_m(1, 3, 5, 16, 32, 64))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_every_mode_on_device_gpu(mode, m, dtype):
     n, k = 1000, 4104  # ragged N and K: masked edges on the device too
@@ -282,7 +303,7 @@ def test_apply_under_compile_gpu():
     method = UnquantizedLinearMethod()
     torch._dynamo.reset()
     compiled = torch.compile(lambda x: method.apply(layer, x, None), fullgraph=True)
-    for m in (1, 7, 40):
+    for m in (1, 7, triton_gemv.SKINNY_MAX_M + 1):
         x = values((m, 4096), torch.bfloat16, m, "cuda")
         torch._dynamo.decorators.mark_unbacked(x, 0)
         assert_matches(compiled(x), reference(x, layer.weight, None), 4096)

@@ -109,12 +109,13 @@ def launch_for(mode: str, kind: str) -> dict:
 
 @interpreter_only
 @pytest.mark.parametrize("mode", skinny.FP8_MODES)
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 24, 64])
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_channel_kernel_matches_reference_interpreted(mode, m, granularity, with_bias):
     # N = 40 is not a multiple of BLOCK_N (16, or 8 for fma) and K = 88 not one of BLOCK_K = 32:
-    # both edges are masked; a's rows are strided. fp16 output with bias, bf16 without.
+    # both edges are masked; a's rows are strided. fp16 output with bias, bf16 without. M = 24
+    # fills 24 of BLOCK_M = 32 rows, M = 64 all of the largest bucket's.
     n, k = 40, 88
     a, b, scale_a, scale_b = channel_operands(m, n, k, granularity, seed=m)
     a = strided_rows(a)
@@ -128,7 +129,7 @@ def test_channel_kernel_matches_reference_interpreted(mode, m, granularity, with
 
 @interpreter_only
 @pytest.mark.parametrize("mode", skinny.FP8_MODES)
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 24, 64])
 @pytest.mark.parametrize(("n", "k"), [(200, 384), (200, 300)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_block_kernel_matches_reference_interpreted(mode, m, n, k, out_dtype):
@@ -208,8 +209,9 @@ def stubs(monkeypatch):
 @interpreter_only
 def test_scaled_mm_cuda_body_dispatch_interpreted(stubs, monkeypatch):
     """The op's CUDA body on CPU tensors: CUTLASS for shapes without a table entry, for entries
-    that say None, beyond SKINNY_MAX_M and with V1ENGINE_SKINNY_GEMM=0; the
-    Triton kernel for M <= 16 of a shape with a config (the 4 bucket serves M = 3)."""
+    that say None, beyond SKINNY_MAX_M (even with an entry for its bucket) and with
+    V1ENGINE_SKINNY_GEMM=0; the Triton kernel for M <= SKINNY_MAX_M of a shape with a config
+    (the 4 bucket serves M = 3)."""
     cutlass, triton_calls = stubs
     n, k = 32, 64
     a, b, scale_a, scale_b = channel_operands(3, n, k, "token", seed=1)
@@ -226,9 +228,11 @@ def test_scaled_mm_cuda_body_dispatch_interpreted(stubs, monkeypatch):
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", False)
     fp8._scaled_mm_cuda(*args)
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
-    a17, _, scale_a17, _ = channel_operands(17, n, k, "token", seed=3)
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["channel"], (32, n, k), launch_for("dot_swap", ""))
-    fp8._scaled_mm_cuda(a17, b, scale_a17, scale_b, torch.bfloat16, bias)
+    beyond = triton_gemv.SKINNY_MAX_M + 1
+    a_beyond, _, scale_a_beyond, _ = channel_operands(beyond, n, k, "token", seed=3)
+    key = (triton_gemv.m_bucket(beyond), n, k)
+    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["channel"], key, launch_for("dot_swap", ""))
+    fp8._scaled_mm_cuda(a_beyond, b, scale_a_beyond, scale_b, torch.bfloat16, bias)
     monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["channel"], (4, n, k), None)  # CUTLASS faster
     fp8._scaled_mm_cuda(*args)
     assert (cutlass["channel"].calls, triton_calls["channel"]) == (4, 1)
@@ -263,8 +267,9 @@ def test_fits_fp8_skinny_rules():
     fits = skinny.fits_fp8_skinny
     bias = torch.zeros(32, dtype=torch.bfloat16)
     assert fits(a, b) and fits(a, b, bias) and fits(strided_rows(a), b)
-    assert fits(channel_operands(16, 32, 64, "tensor", seed=2)[0], b)
-    assert not fits(channel_operands(17, 32, 64, "tensor", seed=2)[0], b)  # M > SKINNY_MAX_M
+    max_m = triton_gemv.SKINNY_MAX_M
+    assert fits(channel_operands(max_m, 32, 64, "tensor", seed=2)[0], b)
+    assert not fits(channel_operands(max_m + 1, 32, 64, "tensor", seed=2)[0], b)  # > SKINNY_MAX_M
     assert not fits(a[:0], b)  # no rows
     assert not fits(a.float(), b)  # not e4m3
     assert not fits(a, b.T.contiguous().T)  # K not contiguous in the weight
@@ -338,7 +343,7 @@ def cutlass_is_no_closer(out: torch.Tensor, cutlass: torch.Tensor, ref: torch.Te
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 32, 64])
 @pytest.mark.parametrize("mode", skinny.FP8_MODES)
 def test_channel_llama3_shapes_gpu(name, m, mode):
     n, k = LLAMA3_8B_SHAPES[name]
@@ -354,7 +359,7 @@ def test_channel_llama3_shapes_gpu(name, m, mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 32, 64])
 @pytest.mark.parametrize("mode", skinny.FP8_MODES)
 def test_block_llama3_shapes_gpu(name, m, mode):
     _n, k = LLAMA3_8B_SHAPES[name]
@@ -437,7 +442,7 @@ def test_cuda_graph_replay_gpu(monkeypatch):
 @pytest.mark.gpu
 def test_scaled_mm_under_compile_with_unbacked_token_count_gpu(monkeypatch):
     """One compiled graph for every token count: the Triton kernel for M = 1 and 7 (entries for
-    the 1 and 8 buckets), CUTLASS for M = 40."""
+    the 1 and 8 buckets), CUTLASS for M = SKINNY_MAX_M + 1."""
     n, k = LLAMA3_8B_SHAPES["qkv"]
     b, scale_b = llama3_weight("qkv", "channel")
     launch = {"mode": "dot_swap", "block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 4}
@@ -451,7 +456,7 @@ def test_scaled_mm_under_compile_with_unbacked_token_count_gpu(monkeypatch):
 
     torch._dynamo.reset()
     compiled = torch.compile(linear, fullgraph=True)
-    for m in (1, 7, 40):
+    for m in (1, 7, triton_gemv.SKINNY_MAX_M + 1):
         x = randn((m, k), m).to("cuda", torch.bfloat16)
         torch._dynamo.decorators.mark_unbacked(x, 0)
         qx, sx = fp8.per_token_fp8_quant_ref(x)

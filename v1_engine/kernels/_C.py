@@ -17,7 +17,7 @@ import torch
 
 LIBRARY_FILENAME = "libv1engine_kernels.so"
 LIBRARY_ENV_VAR = "V1ENGINE_KERNELS_LIB"
-ABI_VERSION = 4
+ABI_VERSION = 5
 """Must equal V1E_ABI_VERSION in csrc/v1engine_kernels.h."""
 
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -107,6 +107,7 @@ def _declare_fp8_gemm_signatures(lib: ctypes.CDLL) -> None:
         ctypes.c_int,  # scale_b_per_col
         ctypes.c_int,  # out dtype code
         ctypes.c_int,  # tile configuration id
+        ctypes.c_int,  # pdl (programmatic dependent launch)
         _ptr,  # cudaStream_t
     ]
     lib.v1e_scaled_mm.restype = ctypes.c_int
@@ -123,6 +124,7 @@ def _declare_fp8_gemm_signatures(lib: ctypes.CDLL) -> None:
         _i64,  # ldb (elements)
         _i64,  # ld_scale_a (elements, multiple of 4, >= M rounded up to 4)
         ctypes.c_int,  # out dtype code
+        ctypes.c_int,  # pdl (programmatic dependent launch)
         _ptr,  # cudaStream_t
     ]
     lib.v1e_block_scaled_mm.restype = ctypes.c_int

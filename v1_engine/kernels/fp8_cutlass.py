@@ -14,6 +14,7 @@ import math
 import torch
 
 from v1_engine.kernels import _C
+from v1_engine.kernels.pdl import use_pdl
 
 SCALED_MM_DISPATCH: tuple[tuple[int, int], ...] = (
     (32, 0),
@@ -104,6 +105,7 @@ def scaled_mm_cutlass(
             int(scale_b.numel() != 1),
             _C.DTYPE_CODES[out_dtype],
             config,
+            int(use_pdl(out.device)),
             torch.cuda.current_stream().cuda_stream,
         )
     check_gemm_status(lib, code, "v1e_scaled_mm")
@@ -139,6 +141,7 @@ def block_scaled_mm_cutlass(
             b.stride(0) if n > 1 else k,
             scale_a_m_major.stride(0),
             _C.DTYPE_CODES[out_dtype],
+            int(use_pdl(out.device)),
             torch.cuda.current_stream().cuda_stream,
         )
     check_gemm_status(lib, code, "v1e_block_scaled_mm")

@@ -1,24 +1,26 @@
-"""Programmatic dependent launch (PDL) for the decode-path Triton kernels.
+"""Programmatic dependent launch (PDL) for the decode-path kernels.
 
 A decode step is hundreds of short kernels in a row; between two of them the GPU drains one grid,
-launches the next and waits for its first loads. With PDL (Hopper and later) a kernel launched
-with `launch_pdl=True` may start while its predecessor still runs: its programs become resident as
-soon as every program of the predecessor has signalled (`gdc_launch_dependents`), do work that
-depends on nothing the predecessor writes, then block in `gdc_wait` until the predecessor has
-finished and its writes are visible. In a CUDA graph the launch becomes a programmatic edge, so
-captured steps keep the overlap.
+then launches the next. With PDL (Hopper and later) a kernel launched with `launch_pdl=True` may
+start while its predecessor still runs: its programs become resident once every program of the
+predecessor has signalled (`gdc_launch_dependents`) or exited, and block in `gdc_wait` until the
+predecessor has finished and its writes are visible. In a CUDA graph the launch becomes a
+programmatic edge, so captured steps keep the overlap: the launch and ramp-up of each kernel hide
+behind the tail of the one before.
 
-The contract every kernel here follows (`pdl_enter`):
-- signal dependents first, then wait, both unconditionally and before any early return: a kernel
-  completes only after its waiting programs pass the wait, so "predecessor complete" stays
+The contract every kernel here follows:
+- wait before touching any memory (loads and stores), unconditionally, before any early return: a
+  kernel completes only after its programs pass the wait, so "predecessor complete" stays
   transitive along a chain of PDL kernels;
-- before the wait, touch only memory no earlier kernel of the step writes (weights); never store.
-The only pre-wait work is `prefetch_l2`: a weight-streaming kernel asks L2 for the start of its
-weight slice, so HBM is busy while the predecessor drains.
+- where to signal: a short kernel (norms, SiLU-and-mul, RoPE, quant, cache writes) signals first
+  (`pdl_enter`), a long one (GEMMs, attention) after its main loop (`pdl_wait` ... `pdl_release`).
+  Signalling at the start of a long kernel let the next kernels, and theirs, pile up on the SMs
+  for its whole run: measured slower on the H200 (RESULTS.md, "Programmatic dependent launch").
 
 `V1ENGINE_PDL=0` turns it off (every kernel then waits for its predecessor as usual). It is also
-off on devices before sm_90 and under the Triton interpreter (which has no grid dependency
-control); the kernels take a `PDL` constexpr, so the interpreter never sees the instructions.
+off on devices before sm_90, with a Triton that lacks `launch_pdl`, and under the Triton
+interpreter (which has no grid dependency control); the kernels take a `PDL` constexpr, so the
+interpreter never sees the instructions.
 """
 
 from __future__ import annotations
@@ -34,16 +36,20 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 PDL_ENABLED = os.environ.get("V1ENGINE_PDL", "1") != "0"
 """V1ENGINE_PDL=0 launches every kernel without programmatic dependent launch."""
 
-PREFETCH_BYTES = 64 * 1024
-"""Weight bytes per program a weight-streaming kernel prefetches into L2 before its wait: about
-8 MB over a wave of the H200's 132 SMs, two microseconds of HBM time, well within L2 (50 MB)."""
-
-_PREFETCH_BYTES = tl.constexpr(PREFETCH_BYTES)
-
 
 @lru_cache(maxsize=16)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+@lru_cache(maxsize=1)
+def _triton_launches_pdl() -> bool:
+    """Whether this Triton's CUDA backend has the `launch_pdl` launch option."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
 def use_pdl(device: torch.device) -> bool:
@@ -54,51 +60,34 @@ def use_pdl(device: torch.device) -> bool:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index)[0] >= 9
+    return _capability(index)[0] >= 9 and _triton_launches_pdl()
 
 
 def launch_options(device: torch.device) -> dict[str, bool]:
     """The kernel's `PDL` constexpr and Triton's `launch_pdl` launch option, for `device`."""
-    pdl = use_pdl(device)
-    if not pdl:
+    if not use_pdl(device):
         return {"PDL": False}
     return {"PDL": True, "launch_pdl": True}
 
 
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
-    """Let the next kernel launch, then wait until the previous one's writes are visible."""
+    """A short kernel's prologue: let the next kernel launch, then wait until the previous
+    one's writes are visible."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
 
 
 @triton.jit
-def prefetch_l2(ptr, nbytes, PDL: tl.constexpr):
-    """Ask L2 for `nbytes` (a multiple of 16, > 0) from the 16-byte aligned `ptr`: one bulk
-    prefetch from the program's first thread, nothing waits for it. Only with PDL (sm_90)."""
+def pdl_wait(PDL: tl.constexpr):
+    """A long kernel's prologue: wait until the previous kernel's writes are visible."""
     if PDL:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r",
-            [ptr, nbytes],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        gdc_wait()
 
 
 @triton.jit
-def prefetch_rows_l2(base_ptr, row0, rows, row_elems, total_rows, PDL: tl.constexpr):
-    """Prefetch up to PREFETCH_BYTES of the contiguous rows [row0, row0 + rows) of a row-major
-    matrix at `base_ptr` with `total_rows` rows of `row_elems` elements (rows past the end are
-    left out)."""
+def pdl_release(PDL: tl.constexpr):
+    """After a long kernel's main loop: let the next kernel launch for this one's tail."""
     if PDL:
-        elem_bytes: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
-        last = tl.minimum(row0 + rows, total_rows)
-        span = (last - row0).to(tl.int64) * row_elems * elem_bytes
-        nbytes = tl.minimum(span, _PREFETCH_BYTES).to(tl.int32) // 16 * 16
-        if nbytes > 0:
-            start = base_ptr + row0.to(tl.int64) * row_elems
-            prefetch_l2(start, nbytes, PDL)
+        gdc_launch_dependents()

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels.cache_ops import check_fp8_scales
-from v1_engine.kernels.pdl import launch_options, pdl_enter
+from v1_engine.kernels.pdl import launch_options, pdl_enter, pdl_release, pdl_wait
 
 _LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -171,7 +171,7 @@ def _paged_attention_kernel(
     KV_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
+    pdl_wait(PDL)
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -239,6 +239,7 @@ def _paged_attention_kernel(
         True, DOT_PRECISION, DOT_F32, KV_FP8,
     )  # fmt: skip
 
+    pdl_release(PDL)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     result = acc / l_safe[:, None]
     if KV_FP8:

@@ -1,4 +1,4 @@
-"""Skinny GEMM in Triton: y [M, N] = x [M, K] @ W[N, K]^T (+ bias) for decode-sized M (1..16).
+"""Skinny GEMM in Triton: y [M, N] = x [M, K] @ W[N, K]^T (+ bias) for decode-sized M (1..64).
 
 At decode sizes a linear layer only streams its weight from HBM; the matmul itself is free. The
 vendor GEMM reads small weights well below bandwidth there and splits K on some shapes (two extra
@@ -8,10 +8,12 @@ atomics, so results are deterministic), accumulating in float32 and storing in x
 
 Three bodies, picked by the launch config's `mode` (the sweep compares them):
 
-- "dot": acc[16, BLOCK_N] = x @ W^T on tensor cores, x's rows padded to 16 (masked, never read);
-- "dot_swap": acc[BLOCK_N, 16] = W @ x^T, the weight tile as the dot's left operand;
+- "dot": acc[BLOCK_M, BLOCK_N] = x @ W^T on tensor cores, BLOCK_M being M rounded up to a power
+  of two and at least 16 (the padding rows are masked, never read);
+- "dot_swap": acc[BLOCK_N, BLOCK_M] = W @ x^T, the weight tile as the dot's left operand;
 - "fma": broadcast multiply into a [BLOCK_M, BLOCK_N, BLOCK_K] float32 accumulator, summed over K
-  once at the end; BLOCK_M is M rounded up to a power of two (no padding to 16).
+  once at the end; BLOCK_M is M rounded up to a power of two (no padding to 16), at most
+  FMA_MAX_M (the accumulator lives in registers).
 
 `v1_engine::skinny_linear` is the custom op the unquantized linear layers call on CUDA: it runs
 the kernel when M <= SKINNY_MAX_M and the operands fit (`fits_skinny`), else F.linear. It is one
@@ -28,11 +30,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from v1_engine.kernels.pdl import launch_options, pdl_enter, prefetch_rows_l2
+from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 
-SKINNY_MAX_M = 16
+SKINNY_MAX_M = 64
 """Largest row count the skinny kernel takes; more rows go to F.linear (compute starts to
-matter there and the vendor GEMM's tiles fit)."""
+matter there and the vendor GEMM's tiles fit). Within it the op still runs the kernel only on
+shapes and M buckets TUNED_LAUNCH holds a measured config for."""
+
+FMA_MAX_M = 4
+"""Largest row count of the "fma" body: its float32 accumulator holds BLOCK_M x BLOCK_N x BLOCK_K
+values in registers, so more rows spill (`resolve_launch` rejects the body beyond it)."""
 
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 """Operand dtypes the op routes to the kernel (the kernel itself also takes float32)."""
@@ -44,7 +51,7 @@ MODES = ("dot", "dot_swap", "fma")
 LAUNCH_KEYS = ("mode", "block_n", "block_k", "num_warps", "num_stages")
 _MODE_IDS = {name: index for index, name in enumerate(MODES)}
 _DOT_ROWS = 16
-"""tl.dot needs every dimension >= 16: the dot bodies pad x's rows to this."""
+"""tl.dot needs every dimension >= 16: the dot bodies pad x's rows to at least this."""
 
 _ALIGN_BYTES = 16
 """K and x's row stride must keep rows 16-byte aligned for vector loads."""
@@ -213,14 +220,50 @@ TUNED_LAUNCH: dict[tuple[int, int, int], dict[str, int | str] | None] = {
         "num_warps": 4,
         "num_stages": 3,
     },
+    (32, 6144, 4096): None,
+    (64, 6144, 4096): None,
+    (32, 4096, 4096): {
+        "mode": "dot_swap",
+        "block_n": 64,
+        "block_k": 128,
+        "num_warps": 4,
+        "num_stages": 6,
+    },
+    (64, 4096, 4096): None,
+    (32, 28672, 4096): None,
+    (64, 28672, 4096): None,
+    (32, 4096, 14336): None,
+    (64, 4096, 14336): {
+        "mode": "dot",
+        "block_n": 32,
+        "block_k": 128,
+        "num_warps": 4,
+        "num_stages": 6,
+    },
+    (32, 128256, 4096): {
+        "mode": "dot_swap",
+        "block_n": 64,
+        "block_k": 128,
+        "num_warps": 4,
+        "num_stages": 6,
+    },
+    (64, 128256, 4096): {
+        "mode": "dot",
+        "block_n": 64,
+        "block_k": 128,
+        "num_warps": 4,
+        "num_stages": 6,
+    },
 }
 """Measured launch configs keyed by (M bucket, N, K), M bucket = M rounded up to a power of two;
 None marks a shape where F.linear measured faster, so the op keeps it there.
 benchmarks/sweep_skinny_gemm.py prints this table; the op runs the kernel only for shapes in it
 (`default_launch` serves explicit calls of `skinny_gemm` on other shapes).
 Measured on the H200 (2026-12-02, Llama-3-8B shapes, `sweep_skinny_gemm.py --seconds 16`): every
-entry beat cuBLAS, by 1-20% (o_proj and down most: cuBLAS runs them split-K with two extra
-kernels); benchmarks/RESULTS.md "Skinny GEMM sweep"."""
+entry for M <= 16 beat cuBLAS, by 1-20% (o_proj and down most: cuBLAS runs them split-K with two
+extra kernels); benchmarks/RESULTS.md "Skinny GEMM sweep". Buckets 32 and 64 (2026-12-03,
+`--m 32,64 --seconds 8`): cuBLAS's own tiles fit there, and the kernel won only o_proj at 32
+(1.11x), lm_head (1.01-1.03x) and down at 64 (1.00x); the other shapes stay on F.linear."""
 
 
 @triton.jit
@@ -254,10 +297,7 @@ def _skinny_gemm_kernel(
     PDL: tl.constexpr,
 ):
     """One program per BLOCK_N output columns, looping over all of K (MODE: see the module)."""
-    # The weight slice is this program's BLOCK_N contiguous rows: start it towards L2 while the
-    # previous kernel (which produced x) finishes.
-    prefetch_rows_l2(w_ptr, tl.program_id(0) * BLOCK_N, BLOCK_N, stride_wn, N, PDL)
-    pdl_enter(PDL)
+    pdl_wait(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -287,6 +327,7 @@ def _skinny_gemm_kernel(
             acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    pdl_release(PDL)
     if MODE == 0:
         result = acc
     elif MODE == 1:
@@ -345,6 +386,10 @@ def resolve_launch(m: int, n: int, k: int, launch: dict[str, int | str]) -> dict
     config = launch_config(m, n, k) | launch
     if config["mode"] not in MODES:
         raise ValueError(f"launch mode must be one of {MODES}, got {config['mode']!r}")
+    if config["mode"] == "fma" and m_bucket(m) > FMA_MAX_M:
+        raise ValueError(
+            f"launch mode 'fma' needs M in 1..{FMA_MAX_M}, got M = {m} (M bucket {m_bucket(m)})"
+        )
     floor = 1 if config["mode"] == "fma" else _DOT_ROWS
     for key in ("block_n", "block_k"):
         if not _is_pow2(config[key]) or config[key] < floor:

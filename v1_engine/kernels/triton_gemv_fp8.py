@@ -1,4 +1,4 @@
-"""Skinny FP8 GEMMs in Triton for decode-sized M (1..16): the CUDA bodies of `v1_engine::scaled_mm`
+"""Skinny FP8 GEMMs in Triton for decode-sized M (1..64): the CUDA bodies of `v1_engine::scaled_mm`
 and `v1_engine::block_scaled_mm` (fp8.py) run them on the shapes FP8_TUNED_LAUNCH holds.
 
 At decode sizes an FP8 linear only streams its e4m3 weight from HBM; the CUTLASS kernels, tiled
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels import triton_gemv
-from v1_engine.kernels.pdl import launch_options, pdl_enter, prefetch_rows_l2
+from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.triton_gemv import _dot, m_bucket
 
 KINDS = ("channel", "block")
@@ -96,7 +96,8 @@ marks a shape where the CUTLASS kernel measured as fast or faster: the ops run t
 only for shapes with a config. From `python benchmarks/sweep_skinny_gemm.py --fp8 channel|block
 --shapes qkv,o_proj,gate_up,down` on the H200 (2026-12-03, benchmarks/RESULTS.md "FP8 skinny
 GEMM sweep"): the per-channel CUTLASS GEMM kept every Llama-3-8B shape (the best Triton config
-was 0.89-1.01x of it); the block-scaled one lost every shape, by 1.04-1.34x."""
+was 0.89-1.01x of it); the block-scaled one lost every shape, by 1.04-1.34x. Buckets 32 and 64
+(M 17..64) are not measured yet, so those batches stay on CUTLASS."""
 
 
 @triton.jit
@@ -143,8 +144,7 @@ def _fp8_skinny_kernel(
 ):
     """Per-tensor/per-channel kind: one program per BLOCK_N output columns over all of K; scale
     strides are 0 for a per-tensor scale."""
-    prefetch_rows_l2(b_ptr, tl.program_id(0) * BLOCK_N, BLOCK_N, stride_bn, N, PDL)
-    pdl_enter(PDL)
+    pdl_wait(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -158,6 +158,7 @@ def _fp8_skinny_kernel(
         acc += _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    pdl_release(PDL)
     result = tl.trans(acc)
     scale_a = tl.load(scale_a_ptr + offs_m * stride_sa, mask=m_mask, other=0.0)
     scale_b = tl.load(scale_b_ptr + offs_n * stride_sb, mask=n_mask, other=0.0)
@@ -194,8 +195,7 @@ def _fp8_block_skinny_kernel(
     """Block-scaled kind: BLOCK_K is the scale group and BLOCK_N divides it, so each step's weight
     tile has one scale (scale_b[n // BLOCK_K, kb]) and each activation row one (scale_a[m, kb])."""
     pid = tl.program_id(0)
-    prefetch_rows_l2(b_ptr, pid * BLOCK_N, BLOCK_N, stride_bn, N, PDL)
-    pdl_enter(PDL)
+    pdl_wait(PDL)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -214,6 +214,7 @@ def _fp8_block_skinny_kernel(
         acc += partial * scale_a[None, :] * scale_b
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    pdl_release(PDL)
     result = tl.trans(acc)
     _store_rows(out_ptr, result, offs_m, offs_n, m_mask, n_mask, stride_om)
 
