@@ -13,6 +13,7 @@ import json
 import os
 import re
 import sys
+from types import ModuleType
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -21,6 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from v1_engine import kernels
 from v1_engine.kernels import (
     pdl,
     triton_attention,
@@ -130,16 +132,8 @@ def _launch_all() -> None:
 
 
 def main() -> None:
-    for module in (
-        triton_attention,
-        triton_cache,
-        triton_fused,
-        triton_fused_quant,
-        triton_gemv,
-        triton_gemv_fp8,
-        triton_quant,
-        triton_rope,
-    ):
+    kernel_modules = [module for module in vars(kernels).values() if isinstance(module, ModuleType)]
+    for module in kernel_modules:
         for value in vars(module).values():
             if isinstance(value, triton.JITFunction) and value.fn.__module__ == module.__name__:
                 value.run = _recorder(value)
