@@ -31,6 +31,8 @@ from v1_engine.kernels import (
     triton_fused_quant,
     triton_gemv,
     triton_gemv_fp8,
+    triton_mla,
+    triton_moe,
     triton_quant,
     triton_rope,
 )
@@ -124,6 +126,34 @@ def _launch_all() -> None:
         0.125,
         torch.empty_like(q[:1]),
         num_splits=2,
+    )
+    heads, rank, rope = 16, 64, 16
+    latent_cache = torch.zeros(4, 16, rank + rope, dtype=bf16)
+    triton_mla.write_latent_cache(
+        torch.randn(2, rank, dtype=bf16),
+        torch.randn(2, rope, dtype=bf16),
+        latent_cache,
+        torch.arange(2, dtype=torch.int64),
+    )
+    triton_mla.mla_decode(
+        torch.randn(2, heads, rank, dtype=bf16),
+        torch.randn(2, heads, rope, dtype=bf16),
+        latent_cache,
+        torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        torch.tensor([20, 30], dtype=torch.int32),
+        torch.tensor([0, 1, 2], dtype=torch.int32),
+        30,
+        0.1,
+        torch.empty(2, heads, rank, dtype=bf16),
+        num_splits=2,
+    )
+    experts, hidden, inter = 4, 128, 128
+    triton_moe.fused_moe_triton(
+        torch.randn(3, hidden, dtype=bf16),
+        torch.randn(experts, 2 * inter, hidden, dtype=bf16),
+        torch.randn(experts, hidden, inter, dtype=bf16),
+        torch.rand(3, 2),
+        torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32),
     )
     fp8_cache = torch.zeros(2, 4, 16, 2, 64, dtype=torch.float8_e4m3fn)
     triton_cache.quantize_and_cache(

@@ -21,6 +21,10 @@ PDL_KERNELS = {
     "_fp8_skinny_kernel",
     "_group_quant_kernel",
     "_merge_splits_kernel",
+    "_mla_decode_kernel",
+    "_mla_merge_kernel",
+    "_moe_align_kernel",
+    "_moe_gemm_kernel",
     "_paged_attention_kernel",
     "_quantize_and_cache_kernel",
     "_rms_norm_quant_kernel",
@@ -29,12 +33,15 @@ PDL_KERNELS = {
     "_silu_and_mul_quant_kernel",
     "_skinny_gemm_kernel",
     "_static_quant_kernel",
+    "_write_latent_kernel",
 }
 LATE_RELEASE = {
     "_skinny_gemm_kernel",
     "_fp8_skinny_kernel",
     "_fp8_block_skinny_kernel",
     "_paged_attention_kernel",
+    "_mla_decode_kernel",
+    "_moe_gemm_kernel",
 }
 """Long kernels: they let their dependents launch after their main loop, not at their start."""
 

@@ -51,6 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
+from v1_engine.kernels.pdl import launch_options, pdl_enter, pdl_release, pdl_wait
+
 _LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -123,7 +125,9 @@ def _mla_decode_kernel(
     USE_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     # Value slices, then head tiles vary fastest, so the programs reading one request's split
     # run side by side and all but the first find its latents in L2.
     head_tile = tl.program_id(0) // (RANK_PAD // BLOCK_V)
@@ -236,6 +240,7 @@ def _mla_decode_kernel(
             acc = tl.dot(p.to(latent_v.dtype), latent_v, acc=acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    pdl_release(PDL)
     if SWAP:
         acc = tl.trans(acc)
     result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -272,8 +277,10 @@ def _mla_merge_kernel(
     RANK: tl.constexpr,
     RANK_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[token, h] = sum_s 2^(lse_s - max lse) * o_s / sum_s 2^(lse_s - max lse)."""
+    pdl_enter(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + req)
@@ -309,8 +316,10 @@ def _write_latent_kernel(
     ROPE: tl.constexpr,
     RANK_PAD: tl.constexpr,
     ROPE_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token's latent and rope key into its cache slot; a negative slot is padding."""
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:
@@ -354,6 +363,7 @@ def write_latent_cache(
         RANK_PAD=triton.next_power_of_2(rank),
         ROPE_PAD=triton.next_power_of_2(rope),
         num_warps=4,
+        **launch_options(kv_cache.device),
     )
 
 
@@ -514,6 +524,7 @@ def mla_decode(
         DOT_PRECISION="ieee" if dot_f32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch_options(q_nope.device),
     )
     if use_splits:
         _mla_merge_kernel[(num_reqs, num_heads)](
@@ -529,6 +540,7 @@ def mla_decode(
             RANK_PAD=rank_pad,
             SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
             num_warps=4,
+            **launch_options(q_nope.device),
         )
 
 

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from v1_engine.kernels.fp8 import BLOCK_SIZE as FP8_BLOCK
 from v1_engine.kernels.fp8 import FP8_DTYPE
+from v1_engine.kernels.pdl import launch_options, pdl_enter, pdl_release, pdl_wait
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -56,7 +57,9 @@ def _moe_align_kernel(
     BLOCK_M: tl.constexpr,
     E_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     experts = tl.arange(0, E_PAD)
     offs = tl.arange(0, CHUNK)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
@@ -148,6 +151,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Aligned
         E_PAD=e_pad,
         CHUNK=chunk,
         num_warps=8,
+        **launch_options(device),
     )
     return AlignedPairs(sorted_ids, expert_ids, num_post_padded, block_m)
 
@@ -191,6 +195,7 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """C = A @ B[expert].T over one block of sorted rows and BLOCK_N output columns.
 
@@ -199,6 +204,7 @@ def _moe_gemm_kernel(
     gets (A @ B.T) * router weight at the pairs' rows. FP8: BLOCK_K is the 128-wide scale group,
     so each K step takes one activation scale per row and one weight scale per column.
     """
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
@@ -252,6 +258,7 @@ def _moe_gemm_kernel(
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
 
+    pdl_release(PDL)
     if GATED:
         result = acc / (1.0 + tl.exp(-acc)) * acc_up
         c_row = pos.to(tl.int64)
@@ -341,6 +348,7 @@ def _launch_gemm(
         BLOCK_K=FP8_BLOCK if fp8 else config.block_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch_options(c.device),
     )
 
 
