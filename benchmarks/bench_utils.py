@@ -185,14 +185,25 @@ def machine() -> str:
     return f"{gpu}, torch {torch.__version__}, {platform.node()}"
 
 
+SWITCHES = ("V1ENGINE_PDL", "V1ENGINE_SKINNY_GEMM", "V1ENGINE_ATTENTION_BACKEND")
+"""Environment variables that change which kernels run: a result section records those set."""
+
+
+def switches() -> str:
+    """The SWITCHES set in the environment, e.g. `V1ENGINE_PDL=0`, or "defaults"."""
+    set_ones = [f"{name}={os.environ[name]}" for name in SWITCHES if name in os.environ]
+    return " ".join(set_ones) or "defaults"
+
+
 def append_results(title: str, command: str, body: str) -> None:
-    """Append a dated section (commit, machine, command, body) to benchmarks/RESULTS.md."""
+    """Append a dated section (commit, machine, switches, command, body) to
+    benchmarks/RESULTS.md."""
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     if not RESULTS_PATH.exists():
         RESULTS_PATH.write_text("# Benchmark results\n\nSections are appended by the scripts.\n")
     section = (
         f"\n## {title}\n\n- date: {date}\n- commit: {commit()}\n- machine: {machine()}\n"
-        f"- command: `{command}`\n\n{body.rstrip()}\n"
+        f"- switches: {switches()}\n- command: `{command}`\n\n{body.rstrip()}\n"
     )
     with RESULTS_PATH.open("a") as f:
         f.write(section)
