@@ -521,6 +521,21 @@ def _check_args(
             f"output must be {tuple(query.shape)} {query.dtype} with a unit last stride, got "
             f"{tuple(output.shape)} {output.dtype}"
         )
+    check_paged_metadata(block_table, seq_lens, query_start_loc, query.device, "query")
+    if kv_cache.device != query.device:
+        raise ValueError(f"kv_cache is on {kv_cache.device}, query on {query.device}")
+
+
+def check_paged_metadata(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    device: torch.device,
+    anchor: str,
+) -> None:
+    """Raises ValueError unless the step's paging metadata is int32 on `device` (where the
+    argument named `anchor` lives), with a block table of contiguous rows and num_reqs + 1 query
+    starts: what every paged kernel here reads."""
     for name, tensor in (
         ("block_table", block_table),
         ("seq_lens", seq_lens),
@@ -528,8 +543,8 @@ def _check_args(
     ):
         if tensor.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {tensor.dtype}")
-        if tensor.device != query.device:
-            raise ValueError(f"{name} is on {tensor.device}, query on {query.device}")
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, {anchor} on {device}")
     if block_table.dim() != 2 or block_table.stride(1) != 1:
         raise ValueError("block_table must be a 2-D tensor with contiguous rows")
     if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
@@ -537,8 +552,6 @@ def _check_args(
             f"query_start_loc must have num_reqs + 1 = {seq_lens.shape[0] + 1} entries, got "
             f"{query_start_loc.shape[0]}"
         )
-    if kv_cache.device != query.device:
-        raise ValueError(f"kv_cache is on {kv_cache.device}, query on {query.device}")
 
 
 def attention_flops(query_lens: list[int], seq_lens: list[int], num_heads: int, head: int) -> int:

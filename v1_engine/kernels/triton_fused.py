@@ -18,16 +18,8 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels.pdl import launch_options, pdl_enter
-from v1_engine.kernels.triton_fused_quant import (
-    _TL_DTYPES,
-    MAX_BLOCK,
-    _as_rows,
-    _block_for,
-    _normed,
-    _num_warps,
-    _residual_sum,
-    _silu_and_mul,
-)
+from v1_engine.kernels.triton_fused_quant import _TL_DTYPES, _normed, _residual_sum, _silu_and_mul
+from v1_engine.kernels.triton_quant import MAX_BLOCK, _as_rows, _block_for, _num_warps
 
 SILU_BLOCK = 1024
 """Output columns per SiLU-and-mul program: rows are cut into column blocks so a decode step's

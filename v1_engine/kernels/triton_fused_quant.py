@@ -25,12 +25,12 @@ import triton.language as tl
 
 from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 from v1_engine.kernels.pdl import launch_options, pdl_enter
-from v1_engine.kernels.triton_quant import _round_to_e4m3
-
-MAX_BLOCK = 16384
-"""Widest chunk of a row one loop iteration loads (registers stay bounded for long rows). Rows
-up to 16k (the MLP width of 8B-70B models) take one chunk: a decode step has one row per token,
-and a program walking its row chunk by chunk, twice, is pure latency there."""
+from v1_engine.kernels.triton_quant import (
+    _as_rows,
+    _block_for,
+    _num_warps,
+    _round_to_e4m3,
+)
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -195,22 +195,6 @@ def _silu_and_mul_quant_kernel(
         mask = cols < end
         q = _quantize_to_fp8(_silu_and_mul(x_row, cols, mask, half_len, IN_DTYPE), scale, FP8_MAX_)
         tl.store(q_ptr + row * half_len + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-
-
-def _as_rows(x: torch.Tensor) -> torch.Tensor:
-    """x viewed as [rows, K] with K contiguous (copied only when no such view exists)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[1] > 1 and rows.stride(1) != 1:
-        rows = rows.contiguous()
-    return rows
-
-
-def _block_for(length: int) -> int:
-    return min(triton.next_power_of_2(max(length, 16)), MAX_BLOCK)
-
-
-def _num_warps(block: int) -> int:
-    return 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
 def _quant_outputs(

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels.pdl import launch_options, pdl_enter, pdl_release, pdl_wait
+from v1_engine.kernels.triton_attention import check_paged_metadata
 
 _LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -577,29 +578,10 @@ def _check_args(
             f"output must be {tuple(q_nope.shape)} {q_nope.dtype} with a unit last stride, got "
             f"{tuple(output.shape)} {output.dtype}"
         )
-    for name, tensor in (
-        ("block_table", block_table),
-        ("seq_lens", seq_lens),
-        ("query_start_loc", query_start_loc),
-        ("kv_cache", kv_cache),
-        ("output", output),
-    ):
+    for name, tensor in (("kv_cache", kv_cache), ("output", output)):
         if tensor.device != q_nope.device:
             raise ValueError(f"{name} is on {tensor.device}, q_nope on {q_nope.device}")
-    for name, tensor in (
-        ("block_table", block_table),
-        ("seq_lens", seq_lens),
-        ("query_start_loc", query_start_loc),
-    ):
-        if tensor.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {tensor.dtype}")
-    if block_table.dim() != 2 or block_table.stride(1) != 1:
-        raise ValueError("block_table must be a 2-D tensor with contiguous rows")
-    if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
-        raise ValueError(
-            f"query_start_loc must have num_reqs + 1 = {seq_lens.shape[0] + 1} entries, got "
-            f"{query_start_loc.shape[0]}"
-        )
+    check_paged_metadata(block_table, seq_lens, query_start_loc, q_nope.device, "q_nope")
 
 
 def mla_decode_bytes(seq_lens: list[int], rank: int, rope: int, elem: int) -> int:
