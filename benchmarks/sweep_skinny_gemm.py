@@ -353,6 +353,12 @@ def main() -> None:
     ms = [int(m) for m in args.m.split(",") if m]
     if not all(1 <= m <= triton_gemv.SKINNY_MAX_M for m in ms):
         raise SystemExit(f"--m: batch sizes must be in 1..{triton_gemv.SKINNY_MAX_M}")
+    buckets = [triton_gemv.m_bucket(m) for m in ms]
+    if len(set(buckets)) != len(buckets):
+        raise SystemExit(
+            f"--m: {ms} holds two batch sizes of one M bucket ({buckets}); the table keeps one "
+            "entry per bucket, so give one size per power of two"
+        )
     kind_modes = triton_gemv.MODES if kind == "bf16" else fp8_skinny.FP8_MODES
     modes = set(args.modes.split(",")) if args.modes else set(kind_modes)
     configs = interleave(dot_configs(kind), fma_configs(kind))
