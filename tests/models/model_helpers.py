@@ -146,6 +146,55 @@ def save_tiny_hf_model(variant: str, path, seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
+@torch.no_grad()
+def save_scaled_tiny_llama(
+    path: Path,
+    *,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    head_dim: int | None = None,
+    vocab_size: int = 256,
+    tokenizer=None,
+):
+    """A 2-layer random Llama saved to `path` (optionally with `tokenizer`), scaled init: linear
+    weights normal(0, 0.7 / sqrt(fan_in)), so each sublayer adds to the residual stream without
+    swamping it, as in trained models. The 0.2-std models of save_tiny_hf_model are chaotic (a
+    1e-6 change flips greedy choices): right for exact fp32 equality, no measure of a lossy format
+    (FP8 weights, an FP8 KV cache)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {"head_dim": head_dim} if head_dim else {}
+    if tokenizer is not None:
+        extra |= {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.copy_(1.0 + 0.2 * torch.randn_like(param))
+        elif "embed_tokens" in name:
+            param.normal_(0.0, 1.0)
+        elif "lm_head" in name:
+            param.normal_(0.0, 0.2)
+        else:
+            param.normal_(0.0, 0.7 / param.shape[1] ** 0.5)
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return model.eval()
+
+
 def load_ours(model_dir: Path, load_format: str = "auto", seed: int = 0) -> torch.nn.Module:
     """Our model for a saved HF directory, float32 on CPU."""
     return get_model(

@@ -1,10 +1,9 @@
 """FP8 linear layers on the CPU reference path: online quantization at load, FP8 checkpoints in
 the Hugging Face format (per-tensor and 128x128 blocks), and the errors a user can cause.
 
-The tiny models here use a scaled init (linear weights normal(0, 0.7 / sqrt(fan_in))): each
-sublayer then adds to the residual stream without swamping it, as in trained models. The 0.2-std
-models of the HF-comparison tests are chaotic (a 1e-6 change flips greedy choices), right for
-exact fp32 equality but no measure of a lossy format.
+The tiny models here use the scaled init of model_helpers.save_scaled_tiny_llama (the 0.2-std
+models of the HF-comparison tests are chaotic, no measure of a lossy format). FP8 KV-cache scales
+from a checkpoint are in test_kv_cache_scales.py.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import PagedModelDriver
+from model_helpers import PagedModelDriver, save_scaled_tiny_llama
 from safetensors.torch import load_file, save_file
 
 from v1_engine.config import EngineConfig
@@ -30,51 +29,6 @@ from v1_engine.models import get_model, load_hf_config
 PROMPT = list(range(3, 40, 3))
 NUM_GREEDY = 24
 QUANTIZED_WEIGHT = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
-
-
-@torch.no_grad()
-def save_scaled_tiny_llama(
-    path: Path,
-    *,
-    hidden_size: int = 64,
-    intermediate_size: int = 128,
-    head_dim: int | None = None,
-    vocab_size: int = 256,
-    tokenizer=None,
-):
-    """A 2-layer random Llama with the scaled init of the module docstring, saved to `path`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    extra = {"head_dim": head_dim} if head_dim else {}
-    if tokenizer is not None:
-        extra |= {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
-    config = AutoConfig.for_model(
-        "llama",
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        **extra,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    for name, param in model.named_parameters():
-        if "norm" in name:
-            param.copy_(1.0 + 0.2 * torch.randn_like(param))
-        elif "embed_tokens" in name:
-            param.normal_(0.0, 1.0)
-        elif "lm_head" in name:
-            param.normal_(0.0, 0.2)
-        else:
-            param.normal_(0.0, 0.7 / param.shape[1] ** 0.5)
-    model.save_pretrained(path)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-    return model.eval()
 
 
 def load(path: Path, quantization: str | None = None, dtype=torch.float32) -> torch.nn.Module:
@@ -112,13 +66,6 @@ def linear_layers(model: torch.nn.Module) -> dict[str, Linear]:
 
 def param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-@pytest.fixture(scope="module")
-def scaled_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("scaled-llama")
-    save_scaled_tiny_llama(path)
-    return path
 
 
 # ---- online quantization ------------------------------------------------------------------
@@ -518,87 +465,3 @@ def test_fp8_model_compiled_with_graphs_on_cuda_follows_eager(tmp_path, default_
         next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(g)) for g, w in zip(got, want)
     )
     assert agree >= len(prompts) * 6, (got, want)
-
-
-# ---- FP8 KV-cache scales from a checkpoint -------------------------------------------------
-
-
-def _with_extra_tensors(src: Path, dst: Path, extra: dict[str, torch.Tensor]) -> Path:
-    """A copy of the checkpoint at src with `extra` tensors added to its weights file."""
-    import shutil
-
-    shutil.copytree(src, dst)
-    (weights_file,) = dst.glob("*.safetensors")
-    tensors = load_file(weights_file)
-    save_file({**tensors, **extra}, weights_file, metadata={"format": "pt"})
-    return dst
-
-
-def test_checkpoint_kv_cache_scales_set_the_attention_scales(scaled_dir, tmp_path):
-    """Per-layer KV-cache scales in the three names quantizers write load into each layer's
-    Attention.k_scale / v_scale; q/prob scales are ignored; a 16-bit model loads them too."""
-    extra = {
-        "model.layers.0.self_attn.k_scale": torch.tensor(0.25),
-        "model.layers.0.self_attn.v_scale": torch.tensor([0.5]),
-        "model.layers.1.self_attn.k_proj.output_scale": torch.tensor(2.0),
-        "model.layers.1.self_attn.v_proj.output_scale": torch.tensor(4.0),
-        "model.layers.1.self_attn.q_scale": torch.tensor(3.0),
-    }
-    path = _with_extra_tensors(scaled_dir, tmp_path / "kv-scales", extra)
-    model = load(path)
-    scales = [(a.k_scale.item(), a.v_scale.item()) for a in model.attention_layers()]
-    assert scales == [(0.25, 0.5), (2.0, 4.0)]
-
-    legacy = _with_extra_tensors(
-        scaled_dir, tmp_path / "legacy", {"model.layers.1.self_attn.kv_scale": torch.tensor(8.0)}
-    )
-    model = load(legacy)
-    assert [(a.k_scale.item(), a.v_scale.item()) for a in model.attention_layers()] == [
-        (1.0, 1.0),
-        (8.0, 8.0),
-    ]
-
-
-@pytest.mark.parametrize(
-    ("value", "message"),
-    [(torch.ones(2), "only one scale per layer"), (torch.tensor(-1.0), "positive finite")],
-)
-def test_bad_checkpoint_kv_cache_scale_names_the_weight(scaled_dir, tmp_path, value, message):
-    name = "model.layers.0.self_attn.k_scale"
-    path = _with_extra_tensors(scaled_dir, tmp_path / "bad", {name: value})
-    with pytest.raises(ValueError, match=message) as info:
-        load(path)
-    assert name in str(info.value)
-
-
-def test_fp8_kv_cache_quantizes_with_the_checkpoint_scales(tmp_path, default_tokenizer):
-    """With kv_cache_dtype fp8 the scales are what the cache write divides by: a scale far too
-    small saturates every cached value at +-448 and the logits move far from the 16-bit
-    cache's, while a fitting scale keeps them close."""
-    from v1_engine import LLM, SamplingParams
-
-    def first_logprobs(path: Path, kv_cache_dtype: str) -> dict[int, float]:
-        llm = LLM(str(path), dtype="float32", kv_cache_dtype=kv_cache_dtype, max_model_len=64)
-        params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=5, ignore_eos=True)
-        out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
-        return {t: lp.logprob for t, lp in out.logprobs[-1].items()}
-
-    def distance(a: dict[int, float], b: dict[int, float]) -> float:
-        shared = set(a) & set(b)
-        return max((abs(a[t] - b[t]) for t in shared), default=float("inf")) + len(set(a) ^ set(b))
-
-    def scaled(name: str, value: float) -> Path:
-        extra = {
-            f"model.layers.{i}.self_attn.{kind}_scale": torch.tensor(value)
-            for i in range(2)
-            for kind in ("k", "v")
-        }
-        return _with_extra_tensors(base, tmp_path / name, extra)
-
-    base = tmp_path / "base"
-    save_scaled_tiny_llama(base, vocab_size=len(default_tokenizer), tokenizer=default_tokenizer)
-    full = first_logprobs(base, "auto")
-    fitting = first_logprobs(scaled("fitting", 0.05), "fp8")
-    saturating = first_logprobs(scaled("saturating", 1e-6), "fp8")
-    assert distance(fitting, full) < distance(saturating, full)
-    assert distance(saturating, full) > 0.5

@@ -97,7 +97,8 @@ only for shapes with a config. From `python benchmarks/sweep_skinny_gemm.py --fp
 --shapes qkv,o_proj,gate_up,down` on the H200 (2026-12-03, benchmarks/RESULTS.md "FP8 skinny
 GEMM sweep"): the per-channel CUTLASS GEMM kept every Llama-3-8B shape (the best Triton config
 was 0.89-1.01x of it); the block-scaled one lost every shape, by 1.04-1.34x. Buckets 32 and 64
-(M 17..64) are not measured yet, so those batches stay on CUTLASS."""
+(M 17..64) stay on CUTLASS: block-scaled measured 0.56-0.82x of it there in a short run
+(2026-12-03, `--fp8 block --m 32,64`); per-channel is not measured at those M."""
 
 
 @triton.jit
