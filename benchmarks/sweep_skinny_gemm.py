@@ -80,16 +80,9 @@ def block_ks(kind: str, fma: bool) -> tuple[int, ...]:
     return (512, 256, 1024) if fma else (256, 128, 512)
 
 
-def block_m(launch: dict, m: int) -> int:
-    """The rows the kernel tiles x into for M (triton_gemv's BLOCK_M): M's bucket, at least the
-    dot's 16 rows in the tensor-core bodies."""
-    bucket = triton_gemv.m_bucket(m)
-    return bucket if launch["mode"] == "fma" else max(triton_gemv._DOT_ROWS, bucket)
-
-
 def smem_bytes(kind: str, launch: dict, m: int) -> int:
     """Shared memory of the pipeline buffers: num_stages weight and x tiles."""
-    rows = launch["block_n"] + block_m(launch, m)
+    rows = launch["block_n"] + triton_gemv.block_rows(launch["mode"], m)
     return launch["num_stages"] * rows * launch["block_k"] * element_bytes(kind)
 
 
@@ -174,7 +167,7 @@ def precompile_all(kind: str, configs: list[dict], ms: list[int], workers: int) 
         rows = {}
         for m in sorted(ms):
             if applies(kind, launch, m):
-                rows.setdefault(block_m(launch, m), m)
+                rows.setdefault(triton_gemv.block_rows(launch["mode"], m), m)
         jobs += [(kind, m, launch) for m in rows.values()]
     start = time.perf_counter()
     if workers > 0:

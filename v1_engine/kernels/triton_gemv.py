@@ -349,6 +349,13 @@ def m_bucket(m: int) -> int:
     return 1 << max(0, m - 1).bit_length()
 
 
+def block_rows(mode: str, m: int) -> int:
+    """BLOCK_M, the rows x is tiled into for M in body `mode`: M's bucket, and at least the 16
+    rows tl.dot needs in the tensor-core bodies."""
+    bucket = m_bucket(m)
+    return bucket if mode == "fma" else max(_DOT_ROWS, bucket)
+
+
 def default_launch(m: int, n: int, k: int) -> dict[str, int | str]:
     """Launch config for shapes the sweep has not measured: enough column tiles to give every
     SM of a large GPU about two programs, 256-wide K steps and four stages in flight."""
@@ -413,7 +420,7 @@ def _constexprs(
         "HAS_BIAS": has_bias,
         "MODE": mode,
         "DOT_F32": dtype == torch.float32 or _interpreting(),
-        "BLOCK_M": m_bucket(m) if mode == 2 else max(_DOT_ROWS, m_bucket(m)),
+        "BLOCK_M": block_rows(config["mode"], m),
         "BLOCK_N": config["block_n"],
         "BLOCK_K": config["block_k"],
         "NUM_STAGES": config["num_stages"],

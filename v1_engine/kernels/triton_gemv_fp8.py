@@ -305,7 +305,7 @@ def _constexprs(
     """Compile-time arguments and launch options shared by both kernels."""
     return {
         "DOT_F32": triton_gemv._interpreting(),
-        "BLOCK_M": max(triton_gemv._DOT_ROWS, m_bucket(m)),
+        "BLOCK_M": triton_gemv.block_rows("dot_swap", m),
         "BLOCK_N": config["block_n"],
         "BLOCK_K": config["block_k"],
         "NUM_STAGES": config["num_stages"],
