@@ -48,27 +48,31 @@ CONFIG_KEYS = ("block_h", "tile", "num_warps", "num_stages", "swap", "block_v", 
 # most 227 KiB on the H200, so the tile shrinks as heads and slices grow.
 _CANDIDATES_16 = [
     # swap: the [tile, 512] latents are the M of wgmma, read from shared memory, not registers.
-    (16, 64, 8, 2, True, None),
-    (16, 32, 4, 3, True, None),  # ~60 KiB: several programs per SM
-    (16, 32, 8, 3, True, None),
-    (16, 64, 4, 3, True, None),
-    (16, 64, 8, 3, True, None),
-    (16, 32, 4, 4, True, None),
+    # The cache rows of a step are looked up a step early, so every stage is a latent buffer
+    # (the tile-32 swap form: 2 stages ~55 KiB and one buffer, 3 stages ~91 KiB and two).
+    (16, 32, 4, 2, True, None),
+    (16, 32, 4, 3, True, None),
+    (16, 16, 4, 2, True, None),
     (16, 32, 8, 2, True, None),
-    (16, 128, 8, 1, True, None),
     (16, 64, 4, 2, True, None),
     (16, 16, 4, 4, True, None),
+    (16, 32, 4, 4, True, None),
+    (16, 64, 8, 2, True, None),
     # swap with value slices: more, smaller programs.
+    (16, 32, 4, 2, True, 256),
     (16, 32, 4, 3, True, 256),
-    (16, 64, 8, 2, True, 256),
-    (16, 32, 8, 3, True, 128),
-    # the plain form around today's best
-    (16, 64, 8, 2, False, None),
-    (16, 128, 8, 3, False, None),
-    (16, 64, 4, 3, False, None),
+    # the plain form
+    (16, 32, 4, 2, False, None),
     (16, 32, 4, 3, False, None),
+    (16, 64, 8, 2, False, None),
+    (16, 128, 8, 2, False, None),
 ]
 _CANDIDATES_MANY = [
+    # the 64-head tile: with the rows looked up a step early, 2 stages are two 64 x 576 buffers
+    (64, 64, 8, 2, False, None),
+    (64, 32, 8, 3, False, None),
+    (64, 32, 8, 4, False, None),
+    (64, 16, 8, 4, False, None),
     # value slices of a 64-head tile: the [64, block_v] accumulator fits the registers.
     (64, 32, 8, 3, False, 256),
     (64, 32, 8, 3, False, 128),
@@ -83,9 +87,8 @@ _CANDIDATES_MANY = [
     (128, 32, 8, 2, True, 128),
     (64, 32, 16, 3, True, 256),
     # the whole accumulator over four warp groups, or a smaller tile
-    (64, 64, 16, 3, False, None),
+    (64, 64, 16, 2, False, None),
     (64, 32, 16, 3, False, None),
-    (64, 32, 8, 3, False, None),
     (64, 32, 8, 2, False, None),
     (64, 16, 8, 4, False, 256),
     # 32-head tiles: more programs, each latent read from L2 once per tile
@@ -94,7 +97,7 @@ _CANDIDATES_MANY = [
     (32, 64, 8, 2, True, None),
     (32, 32, 8, 3, True, 256),
 ]
-_PAGE_TILE_TRIES = 4
+_PAGE_TILE_TRIES = 8
 """The first candidates also run with page_tile (one block id per step) right after."""
 
 
@@ -102,7 +105,7 @@ def candidates(heads: int, block_size: int) -> list[dict]:
     """Launch overrides to time for `heads`, most promising first, each with every split factor
     of the head count (None = the kernel's own choice; splits do not recompile the kernel)."""
     table = _CANDIDATES_16 if heads <= 16 else _CANDIDATES_MANY
-    splits = (None, 8, 16) if heads <= 16 else (None, 1, 2, 4)
+    splits = (None, 2, 8, 16) if heads <= 16 else (None, 1, 2, 4)
     configs = []
     for i, (block_h, tile, warps, stages, swap, block_v) in enumerate(table):
         base = {"block_h": block_h, "tile": tile, "num_warps": warps, "num_stages": stages}

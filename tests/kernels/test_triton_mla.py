@@ -374,10 +374,24 @@ GPU_VARIANTS = [
     (16, {"swap": True, "tile": 32, "num_warps": 4, "num_stages": 3, "page_tile": True}),
     (16, {"swap": True, "tile": 32, "num_warps": 4, "num_stages": 3, "block_v": 256}),
     (20, {"swap": True, "tile": 32, "num_warps": 8, "num_stages": 3, "block_v": 128}),
-    (128, {"block_h": 64, "tile": 32, "num_warps": 8, "num_stages": 3, "block_v": 256}),
+    (128, {"block_h": 64, "tile": 32, "num_warps": 8, "num_stages": 2, "block_v": 256}),
     (128, {"block_h": 64, "tile": 32, "num_warps": 8, "num_stages": 2, "block_v": 128}),
-    (128, {"swap": True, "block_h": 64, "tile": 32, "num_warps": 8, "block_v": 128}),
-    (128, {"swap": True, "block_h": 128, "tile": 32, "num_warps": 16, "block_v": 128}),
+    (
+        128,
+        {"swap": True, "block_h": 64, "tile": 32, "num_warps": 8, "num_stages": 2, "block_v": 128},
+    ),
+    (
+        128,
+        {
+            "swap": True,
+            "block_h": 128,
+            "tile": 32,
+            "num_warps": 16,
+            "num_stages": 2,
+            "block_v": 128,
+        },
+    ),
+    (16, {"tile": 32, "num_warps": 4, "num_stages": 2, "page_tile": True}),
 ]
 
 

@@ -64,6 +64,26 @@ def _find_request(query_start_loc_ptr, q_block_id, num_reqs, BLOCK_Q: tl.constex
 
 
 @triton.jit
+def _kv_offsets(
+    table_row,
+    tile,
+    offs_t,
+    kv_len,
+    kv_head,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """Offsets into the K/V caches of the TILE token positions of loop step `tile` (positions
+    at or past kv_len read block 0: their loads are masked)."""
+    pos = tile * TILE + offs_t
+    block_id = tl.load(table_row + pos // BLOCK_SIZE, mask=pos < kv_len, other=0).to(tl.int64)
+    return block_id * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+
+
+@triton.jit
 def _attend_tiles(
     m_i,
     l_i,
@@ -93,15 +113,22 @@ def _attend_tiles(
     """Online softmax over key tiles [tile_lo, tile_hi); MASKED applies the causal and
     end-of-sequence masks (off for tiles every row sees whole)."""
     offs_t = tl.arange(0, TILE)
+    # A step's cache offsets are looked up one step early (loop-carried), so the block-table
+    # load is off the step's critical path: its K/V loads issue at once instead of after a
+    # dependent load of the block ids. (An empty range looks up a masked step, never used.)
+    next_off = _kv_offsets(
+        table_row, tl.maximum(tl.minimum(tile_lo, tile_hi - 1), 0), offs_t, kv_len, kv_head,
+        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE,
+    )  # fmt: skip
     for tile in range(tile_lo, tile_hi):
         pos = tile * TILE + offs_t
         if MASKED:
             pos_valid = pos < kv_len
-            block_id = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0)
-        else:
-            block_id = tl.load(table_row + pos // BLOCK_SIZE)
-        block_id = block_id.to(tl.int64)
-        kv_off = block_id * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        kv_off = next_off
+        next_off = _kv_offsets(
+            table_row, tl.minimum(tile + 1, tile_hi - 1), offs_t, kv_len, kv_head, stride_cb,
+            stride_cs, stride_ch, BLOCK_SIZE, TILE,
+        )  # fmt: skip
         if MASKED:
             k_mask = pos_valid[None, :] & dim_valid[:, None]
             k = tl.load(k_cache_ptr + kv_off[None, :] + dims[:, None], mask=k_mask, other=0.0)

@@ -76,18 +76,41 @@ class LaunchConfig:
 
 def launch_config(num_heads: int, dot_f32: bool) -> LaunchConfig:
     """The default launch of the decode kernel for `num_heads` query heads, from a sweep on the
-    H200 (batch 64 x 4k context, bf16, block size 64; benchmarks/RESULTS.md "MLA decode kernel
-    launch sweep", 2026-12-03): up to 16 heads one head tile streams 32 tokens per step of one
-    cache block, in the transposed form, with 4 warps and 3 stages (124 us, 57% of HBM, against
-    135 us for the earlier 128-token plain form); more heads take tiles of 64 heads (fewer
-    re-reads of each latent) with 8 warps and 3 stages (none of the new variants beat it)."""
+    H200 with the cache rows looked up a step early (batch 64 x 4k context, bf16, block size
+    64; benchmarks/RESULTS.md "MLA decode: cache rows looked up a step early", 2026-12-03): up
+    to 16 heads one head tile streams 32 tokens per step in the plain form, with 4 warps and 3
+    stages (101 us, 70% of HBM; the transposed form 105 us); more heads take tiles of 64 heads
+    (fewer re-reads of each latent), 64 tokens of one cache block per step, 8 warps and 2
+    stages (two 64 x 576 buffers; 3 no longer fit the shared memory)."""
     if dot_f32:
         return LaunchConfig(block_h=16, tile=16, num_warps=4, num_stages=2)
     if num_heads <= 16:
-        return LaunchConfig(
-            block_h=16, tile=32, num_warps=4, num_stages=3, swap=True, page_tile=True
-        )
-    return LaunchConfig(block_h=64, tile=64, num_warps=8, num_stages=3)
+        return LaunchConfig(block_h=16, tile=32, num_warps=4, num_stages=3)
+    return LaunchConfig(block_h=64, tile=64, num_warps=8, num_stages=2, page_tile=True)
+
+
+@triton.jit
+def _cache_rows(
+    table_row,
+    cache_ptr,
+    tile,
+    offs_t,
+    seq_len,
+    stride_cb,
+    stride_cs,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    PAGE_TILE: tl.constexpr,
+):
+    """Row pointers of the cache entries of loop step `tile` (its TILE token positions)."""
+    if PAGE_TILE:
+        # tile < num_tiles, so the step's first token is cached and its block id is valid.
+        block_id = tl.load(table_row + tile * TILE // BLOCK_SIZE).to(tl.int64)
+        slots = (tile * TILE % BLOCK_SIZE + offs_t).to(tl.int64)
+        return cache_ptr + block_id * stride_cb + slots * stride_cs
+    pos = tile * TILE + offs_t
+    block_id = tl.load(table_row + pos // BLOCK_SIZE, mask=pos < seq_len, other=0).to(tl.int64)
+    return cache_ptr + block_id * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -182,17 +205,21 @@ def _mla_decode_kernel(
         acc = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
     offs_t = tl.arange(0, TILE)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    # A step's cache rows are looked up one step early (loop-carried), so the block-table load
+    # is off the step's critical path: its latent loads issue at once instead of after a
+    # dependent load of the block ids. (An empty split looks up a valid step, never used.)
+    next_row = _cache_rows(
+        table_row, cache_ptr, tl.maximum(tl.minimum(tile_lo, num_tiles - 1), 0), offs_t,
+        seq_len, stride_cb, stride_cs, BLOCK_SIZE, TILE, PAGE_TILE,
+    )  # fmt: skip
     for tile in range(tile_lo, tile_hi):
         pos = tile * TILE + offs_t
         pos_valid = pos < seq_len
-        if PAGE_TILE:
-            # tile < num_tiles, so the step's first token is cached and its block id is valid.
-            block_id = tl.load(table_row + tile * TILE // BLOCK_SIZE).to(tl.int64)
-            slots = (tile * TILE % BLOCK_SIZE + offs_t).to(tl.int64)
-            row = cache_ptr + block_id * stride_cb + slots * stride_cs
-        else:
-            block_id = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
-            row = cache_ptr + block_id * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
+        row = next_row
+        next_row = _cache_rows(
+            table_row, cache_ptr, tl.minimum(tile + 1, tile_hi - 1), offs_t, seq_len, stride_cb,
+            stride_cs, BLOCK_SIZE, TILE, PAGE_TILE,
+        )  # fmt: skip
         latent = tl.load(
             row[:, None] + dims[None, :], mask=pos_valid[:, None] & dim_valid[None, :], other=0.0
         )
