@@ -8,11 +8,19 @@ Llama-3-8B one by default (32 query heads, 8 KV heads, head size 128, block size
 
     python benchmarks/sweep_attention.py --cases 64x1024,1x128,1x4096,256x1024 --seconds 40
     python benchmarks/sweep_attention.py --cases "" --prefill 4096 --seconds 60
+
+`--baseline FILE` also times the default launch of another version of the kernel module in the
+same run (an A/B of a kernel change), e.g. the committed one:
+
+    git show HEAD:v1_engine/kernels/triton_attention.py > /tmp/attention_head.py
+    python benchmarks/sweep_attention.py --cases 1x128,64x1024 --seconds 0 \
+        --baseline /tmp/attention_head.py
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import sys
 import time
@@ -66,8 +74,25 @@ def sweep_prefill(tokens: int, heads: int, kv_heads: int, head: int, block: int,
         print(f"  {us:8.1f} us {flops / us / 1e6:.0f} TFLOP/s {tag} {launch}", flush=True)
 
 
+def load_baseline(path: str):
+    """`paged_attention` of another version of triton_attention.py (a file path)."""
+    spec = importlib.util.spec_from_file_location("baseline_triton_attention", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline {path!r} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.paged_attention
+
+
 def sweep(
-    batch: int, context: int, heads: int, kv_heads: int, head: int, block: int, seconds: float
+    batch: int,
+    context: int,
+    heads: int,
+    kv_heads: int,
+    head: int,
+    block: int,
+    seconds: float,
+    baseline=None,
 ) -> None:
     blocks_per_req = -(-context // block)
     num_blocks = batch * blocks_per_req
@@ -79,11 +104,9 @@ def sweep(
     out = torch.empty_like(query)
     nbytes = batch * context * kv_heads * head * 2 * 2
 
-    def time_us(**kwargs) -> float:
+    def time_us(kernel=paged_attention, **kwargs) -> float:
         def run() -> None:
-            paged_attention(
-                query, cache, table, lens, starts, 1, context, head**-0.5, out, **kwargs
-            )
+            kernel(query, cache, table, lens, starts, 1, context, head**-0.5, out, **kwargs)
 
         # Inside a CUDA graph, as in serving (host launch work excluded).
         run()
@@ -95,6 +118,8 @@ def sweep(
 
     default_us = time_us()
     results = [(default_us, "default", {})]
+    if baseline is not None:
+        results.append((time_us(kernel=baseline), "baseline", {}))
     space = itertools.product((64, 32, 128, 16), (4, 8, 2), (2, 3, 1, 4), (None, 1, 2, 4, 8))
     start = time.perf_counter()
     for tile, warps, stages, splits in space:
@@ -124,6 +149,9 @@ def main() -> None:
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=40.0, help="budget per case")
+    parser.add_argument(
+        "--baseline", default=None, help="another triton_attention.py whose default is timed too"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_attention.py needs a CUDA GPU")
@@ -142,6 +170,7 @@ def main() -> None:
             args.head_size,
             args.block_size,
             args.seconds,
+            load_baseline(args.baseline) if args.baseline else None,
         )
 
 
