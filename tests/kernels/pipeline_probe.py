@@ -1,0 +1,90 @@
+"""Compiles the paged-attention and MLA decode kernels for sm_90 (no GPU needed) at launches with
+three pipeline stages and prints, as JSON, how many buffers Triton's pipeliner gave the cached
+tiles each step loads (K/V, latents). Run by test_pipelining.py in a fresh process, since the
+kernel tests turn on Triton's interpreter for the rest of the session.
+
+The launchers run on small CPU tensors with their kernels' `run` replaced by pdl_ptx_probe's
+recorder; the recorded arguments compile with the 16-byte divisibility a GPU launch would give
+them (without it every load is scalar and nothing is pipelined as on the device).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import pdl_ptx_probe as probe
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from v1_engine.kernels import triton_attention, triton_mla
+
+# Multi-buffered shared-memory allocations: memdesc<{buffers}x{rows}x{cols}x{type}.
+_BUFFERS = re.compile(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x(\d+)x(\d+)x")
+
+
+def _attrs(kernel: triton.JITFunction, args: tuple, kwargs: dict) -> dict:
+    bound = dict(zip(kernel.arg_names, args)) | kwargs
+    attrs = {}
+    for i, param in enumerate(kernel.params):
+        value = bound[param.name]
+        if param.is_constexpr:
+            continue
+        aligned_tensor = isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0
+        aligned_int = type(value) is int and value % 16 == 0
+        if aligned_tensor or aligned_int:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
+def _buffers(name: str) -> dict:
+    kernel, args, kwargs = probe.recorded[name]
+    options = {key: kwargs.pop(key) for key in probe._LAUNCH_OPTIONS if key in kwargs}
+    signature, constexprs = probe._signature(kernel, args, kwargs)
+    source = ASTSource(kernel, signature, constexprs, _attrs(kernel, args, kwargs))
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    allocs = [tuple(map(int, m)) for m in _BUFFERS.findall(compiled.asm["ttgir"])]
+    return {"allocs": allocs, "shared": compiled.metadata.shared}
+
+
+def main() -> None:
+    for module in (triton_attention, triton_mla):
+        for value in vars(module).values():
+            if isinstance(value, triton.JITFunction) and value.fn.__module__ == module.__name__:
+                value.run = probe._recorder(value)
+    # Paged decode attention: 4 requests x 1k context, 32 query / 8 KV heads, head 128, block 16.
+    heads, kv_heads, head, block, reqs, ctx = 32, 8, 128, 16, 4, 1024
+    blocks = reqs * ctx // block
+    cache = torch.zeros(2, blocks, block, kv_heads, head, dtype=torch.bfloat16)
+    table = torch.arange(blocks, dtype=torch.int32).view(reqs, -1)
+    lens = torch.full((reqs,), ctx, dtype=torch.int32)
+    starts = torch.arange(reqs + 1, dtype=torch.int32)
+    query = torch.zeros(reqs, heads, head, dtype=torch.bfloat16)
+    out = torch.zeros_like(query)
+    triton_attention.paged_attention(
+        query, cache, table, lens, starts, 1, ctx, 0.1, out, launch={"num_stages": 3}
+    )
+    # MLA decode: 16 heads, latent 512 + rope 64, block 64, one cache block per 32-token step.
+    rank, rope, block = 512, 64, 64
+    blocks = reqs * ctx // block
+    latents = torch.zeros(blocks, block, rank + rope, dtype=torch.bfloat16)
+    table = torch.arange(blocks, dtype=torch.int32).view(reqs, -1)
+    q_nope = torch.zeros(reqs, 16, rank, dtype=torch.bfloat16)
+    q_pe = torch.zeros(reqs, 16, rope, dtype=torch.bfloat16)
+    out = torch.zeros(reqs, 16, rank, dtype=torch.bfloat16)
+    triton_mla.mla_decode(
+        q_nope, q_pe, latents, table, lens, starts, ctx, 0.1, out, tile=32, num_warps=4,
+        num_stages=3, swap=True, page_tile=True,
+    )  # fmt: skip
+    names = ("_paged_attention_kernel", "_mla_decode_kernel")
+    json.dump({name: _buffers(name) for name in names}, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
