@@ -129,7 +129,7 @@ def _launch_all() -> None:
     )
     heads, rank, rope = 16, 64, 16
     latent_cache = torch.zeros(4, 16, rank + rope, dtype=bf16)
-    triton_mla.write_latent_cache(
+    triton_cache.write_latent_cache(
         torch.randn(2, rank, dtype=bf16),
         torch.randn(2, rope, dtype=bf16),
         latent_cache,

@@ -30,7 +30,8 @@ from v1_engine.attention.backend import AttentionMetadata
 from v1_engine.attention.mla_cpu import CPUMLABackend
 from v1_engine.attention.mla_triton import TritonMLABackend
 from v1_engine.attention.selector import BACKEND_ENV_VAR, get_mla_backend
-from v1_engine.kernels.triton_mla import mla_decode, write_latent_cache
+from v1_engine.kernels.triton_cache import write_latent_cache
+from v1_engine.kernels.triton_mla import mla_decode
 
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
 DEVICE = "cuda" if _CUDA else "cpu"

@@ -68,9 +68,10 @@ class TritonMLABackend:
             raise ValueError(f"num_splits must be >= 1 or None, got {num_splits}")
         self.num_splits = num_splits
         # Imported here so that importing this module does not require triton.
-        from v1_engine.kernels import triton_mla
+        from v1_engine.kernels import triton_cache, triton_mla
 
         self._kernels = triton_mla
+        self._write_latent_cache = triton_cache.write_latent_cache
 
     def forward(
         self,
@@ -87,7 +88,7 @@ class TritonMLABackend:
     ) -> None:
         """Write the step's latents into kv_cache at slot_mapping, then fill output [T, H, V]."""
         num_actual = metadata.num_actual_tokens
-        self._kernels.write_latent_cache(kv_c, k_pe, kv_cache, metadata.slot_mapping[:num_actual])
+        self._write_latent_cache(kv_c, k_pe, kv_cache, metadata.slot_mapping[:num_actual])
         if metadata.max_query_len <= 1:
             self._decode(
                 q_nope[:num_actual],

@@ -332,69 +332,6 @@ def _mla_merge_kernel(
     )
 
 
-@triton.jit
-def _write_latent_kernel(
-    cache_ptr,
-    kv_c_ptr,
-    k_pe_ptr,
-    slot_mapping_ptr,
-    stride_ct,
-    stride_pt,
-    RANK: tl.constexpr,
-    ROPE: tl.constexpr,
-    RANK_PAD: tl.constexpr,
-    ROPE_PAD: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One token's latent and rope key into its cache slot; a negative slot is padding."""
-    pdl_enter(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token)
-    if slot < 0:
-        return
-    dims = tl.arange(0, RANK_PAD)
-    rope_dims = tl.arange(0, ROPE_PAD)
-    row = cache_ptr + slot * (RANK + ROPE)
-    kv_c = tl.load(kv_c_ptr + token * stride_ct + dims, mask=dims < RANK)
-    k_pe = tl.load(k_pe_ptr + token * stride_pt + rope_dims, mask=rope_dims < ROPE)
-    tl.store(row + dims, kv_c.to(cache_ptr.dtype.element_ty), mask=dims < RANK)
-    tl.store(row + RANK + rope_dims, k_pe.to(cache_ptr.dtype.element_ty), mask=rope_dims < ROPE)
-
-
-def write_latent_cache(
-    kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """kv_c [T, R] and k_pe [T, P] into kv_cache [num_blocks, block_size, R + P] at slot_mapping
-    [T] (int64; negative = padding, skipped), without reading anything on the host."""
-    num_tokens = slot_mapping.shape[0]
-    rank, rope = kv_c.shape[-1], k_pe.shape[-1]
-    if kv_cache.shape[-1] != rank + rope or not kv_cache.is_contiguous():
-        raise ValueError(
-            f"kv_cache must be a contiguous [num_blocks, block_size, {rank + rope}] tensor, got "
-            f"{tuple(kv_cache.shape)}"
-        )
-    if kv_c.shape[0] < num_tokens or k_pe.shape[0] < num_tokens:
-        raise ValueError(f"kv_c / k_pe have fewer rows than slot_mapping's {num_tokens}")
-    if kv_c.stride(-1) != 1 or k_pe.stride(-1) != 1:
-        raise ValueError("kv_c and k_pe must have a unit last stride")
-    if num_tokens == 0:
-        return
-    _write_latent_kernel[(num_tokens,)](
-        kv_cache,
-        kv_c,
-        k_pe,
-        slot_mapping,
-        kv_c.stride(0),
-        k_pe.stride(0),
-        RANK=rank,
-        ROPE=rope,
-        RANK_PAD=triton.next_power_of_2(rank),
-        ROPE_PAD=triton.next_power_of_2(rope),
-        num_warps=4,
-        **launch_options(kv_cache.device),
-    )
-
-
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
