@@ -4,17 +4,11 @@ their main loop), and on the GPU that a chain of PDL kernels in a CUDA graph nev
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from v1_engine.kernels import pdl
 
-PROBE = Path(__file__).with_name("pdl_ptx_probe.py")
 PDL_KERNELS = {
     "_add_rms_norm_kernel",
     "_fp8_block_skinny_kernel",
@@ -57,12 +51,8 @@ def test_off_on_the_cpu_and_when_disabled(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def ptx_report() -> dict:
-    done = subprocess.run(
-        [sys.executable, str(PROBE)], capture_output=True, text=True, timeout=600, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+def ptx_report(run_compile_probe) -> dict:
+    return run_compile_probe("pdl_ptx_probe.py")
 
 
 def test_every_pdl_kernel_was_compiled(ptx_report):

@@ -7,23 +7,12 @@ at 75% of HBM that way, 99% with the lookup a step early; benchmarks/RESULTS.md)
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-PROBE = Path(__file__).with_name("pipeline_probe.py")
 
 
 @pytest.fixture(scope="module")
-def buffers() -> dict:
-    done = subprocess.run(
-        [sys.executable, str(PROBE)], capture_output=True, text=True, timeout=600, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+def buffers(run_compile_probe) -> dict:
+    return run_compile_probe("pipeline_probe.py")
 
 
 def test_paged_attention_double_buffers_k_and_v(buffers):
