@@ -3,9 +3,9 @@ them into the paged e4m3 cache at their slots) and the MLA latent cache write (e
 latent and rope key into its slot of the paged latent cache).
 
 Both run one program per token (the FP8 write covers all of its kv heads, for K and V). A negative
-slot marks a padding token and the program returns. The per-layer scales are read from device memory, so a CUDA graph
-that captured the launch sees a scale updated later; nothing here reads a device value on the
-host, and the grid depends only on tensor shapes.
+slot marks a padding token and the program returns. The per-layer scales are read from device
+memory, so a CUDA graph that captured the launch sees a scale updated later; nothing here reads a
+device value on the host, and the grid depends only on tensor shapes.
 
 Rounding. The value stored is `clamp(x / scale, -448, 448)` rounded to the nearest e4m3 value,
 ties to even: exactly what `torch.Tensor.to(torch.float8_e4m3fn)` produces. The kernel rounds onto
