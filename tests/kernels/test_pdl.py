@@ -1,6 +1,7 @@
 """Programmatic dependent launch (kernels/pdl.py): when it is on, that every PDL kernel keeps the
 contract in its PTX (wait before any memory access; short kernels signal first, long ones after
-their main loop), and on the GPU that a chain of PDL kernels in a CUDA graph never reads a stale value."""
+their main loop), and on the GPU that a chain of PDL kernels in a CUDA graph never reads a stale
+value."""
 
 from __future__ import annotations
 
