@@ -147,6 +147,25 @@ def save_tiny_hf_model(variant: str, path, seed: int = 0) -> torch.nn.Module:
 
 
 @torch.no_grad()
+def scaled_init(model: torch.nn.Module) -> None:
+    """Re-initialise a Hugging Face model in place from the global RNG: norms 1 + normal(0, 0.2),
+    embeddings normal(0, 1), the LM head normal(0, 0.2), every other weight normal(0, 0.7 /
+    sqrt(fan_in)), and MoE routers' e_score_correction_bias normal(0, 0.1)."""
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.copy_(1.0 + 0.2 * torch.randn_like(param))
+        elif "embed_tokens" in name:
+            param.normal_(0.0, 1.0)
+        elif "lm_head" in name:
+            param.normal_(0.0, 0.2)
+        else:
+            param.normal_(0.0, 0.7 / param.shape[-1] ** 0.5)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.normal_(0.0, 0.1)
+
+
+@torch.no_grad()
 def save_scaled_tiny_llama(
     path: Path,
     *,
@@ -180,15 +199,7 @@ def save_scaled_tiny_llama(
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    for name, param in model.named_parameters():
-        if "norm" in name:
-            param.copy_(1.0 + 0.2 * torch.randn_like(param))
-        elif "embed_tokens" in name:
-            param.normal_(0.0, 1.0)
-        elif "lm_head" in name:
-            param.normal_(0.0, 0.2)
-        else:
-            param.normal_(0.0, 0.7 / param.shape[1] ** 0.5)
+    scaled_init(model)
     model.save_pretrained(path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)

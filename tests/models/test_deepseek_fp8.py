@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_helpers import scaled_init
 from safetensors.torch import load_file, save_file
 from test_deepseek_vs_hf import LatentPagedDriver
 from test_fp8_linear import dequantize_blocks, quantize_blocks, relative_error
@@ -76,21 +77,6 @@ rounding alone moves these logits 3.5% (the dequantized checkpoint vs its float 
 activation rounding 2.3%; together measured 4.0%."""
 
 
-def _scaled_init(model) -> None:
-    for name, param in model.named_parameters():
-        if "norm" in name:
-            param.copy_(1.0 + 0.2 * torch.randn_like(param))
-        elif "embed_tokens" in name:
-            param.normal_(0.0, 1.0)
-        elif "lm_head" in name:
-            param.normal_(0.0, 0.2)
-        else:
-            param.normal_(0.0, 0.7 / param.shape[-1] ** 0.5)
-    for name, buffer in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            buffer.normal_(0.0, 0.1)
-
-
 @torch.no_grad()
 def save_tiny_v3(path: Path, seed: int = 0) -> None:
     """A scaled-init random float32 DeepSeek-V3 with MTP tensors (layer 3), saved to `path`."""
@@ -99,7 +85,7 @@ def save_tiny_v3(path: Path, seed: int = 0) -> None:
     config = AutoConfig.for_model("deepseek_v3", **TINY_V3)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _scaled_init(model)
+    scaled_init(model)
     model.save_pretrained(path)
     tensors = load_file(path / "model.safetensors")
     mtp = f"model.layers.{config.num_hidden_layers}"
