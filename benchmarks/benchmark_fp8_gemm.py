@@ -248,8 +248,8 @@ def run_tune(args: argparse.Namespace) -> None:
         cells = " | ".join(f"{means[c]:.1f}" for c in range(num_configs))
         print(f"| {m} | {cells} | {best} |", flush=True)
         # Shapes the current table serves worst: where another config wins by more than 5%.
-        current = fp8_cutlass.scaled_mm_config(m, shape.n, shape.k)
         for i, shape in enumerate(SHAPES):
+            current = fp8_cutlass.scaled_mm_config(m, shape.n, shape.k)
             rates = {c: per_config[c][i] for c in range(num_configs)}
             top = max(rates, key=rates.get)
             if rates[top] > 1.05 * rates[current]:

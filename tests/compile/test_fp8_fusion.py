@@ -336,6 +336,35 @@ def test_triton_kernels_match_refs_interpreted(shape, group_size, dtype):
 
 
 @interpreter_only
+@pytest.mark.parametrize(
+    ("shape", "group_size"), [((3, 64), None), ((2, 300), 128), ((2, 3, 48), 16)]
+)
+def test_triton_chunked_bodies_match_refs_interpreted(monkeypatch, shape, group_size):
+    """Rows and groups longer than ONE_PASS_MAX take the chunked bodies (the norm's three
+    passes, SiLU's two): same results as the one-pass bodies the other tests run."""
+    monkeypatch.setattr(triton_fused_quant, "ONE_PASS_MAX", 16)
+    assert triton_fused_quant._one_pass_group(shape[-1], group_size or shape[-1], 512) == 0
+    x, residual = activations(shape, torch.bfloat16, 16), activations(shape, torch.bfloat16, 17)
+    weight = norm_weight(shape[-1], torch.bfloat16, 18)
+    check_norm_kernels(x, residual, weight, group_size, min_exact=1.0, exact_scales=True)
+    gate_up = activations((*shape[:-1], 2 * shape[-1]), torch.bfloat16, 19) * 0.3
+    check_silu_kernel(gate_up, group_size, min_exact=1.0, exact_scales=True)
+
+
+def test_one_pass_group_covers_model_widths():
+    """The norm's one-pass body takes Llama-3-8B/70B and DeepSeek-V3 rows, per token and in
+    128-groups; a row wider than its tile or non-power-of-two groups take the chunked body."""
+    one_pass = triton_fused_quant._one_pass_group
+    assert one_pass(4096, 4096, 4096) == 4096
+    assert one_pass(4096, 128, 4096) == 128
+    assert one_pass(7168, 128, 8192) == 128
+    assert one_pass(7168, 7168, 8192) == 8192  # one group spans the whole tile
+    assert one_pass(300, 100, 512) == 0  # 100-wide groups do not split a power-of-two tile
+    assert one_pass(600, 600, 512) == 0  # the row does not fit the tile
+    assert one_pass(32768, 32768, 32768) == 0  # past ONE_PASS_MAX (16384)
+
+
+@interpreter_only
 def test_triton_kernels_read_strided_rows_and_fp32_weights_interpreted():
     wide = activations((4, 96), torch.bfloat16, 10)
     x, residual = wide[:, 16:80], wide[:, 8:72]  # slices: row stride 96

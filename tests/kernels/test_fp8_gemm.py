@@ -97,6 +97,10 @@ def test_tile_config_by_m_bucket_and_shape() -> None:
     assert fp8_cutlass.scaled_mm_config(200, 8192, 28672) == 4 != bucket_256
     assert fp8_cutlass.scaled_mm_config(200, 4096, 14336) == bucket_256
     assert fp8_cutlass.scaled_mm_config(1000, 8192, 28672) == fp8_cutlass.scaled_mm_config(1000)
+    # The last bucket (bound math.inf) takes overrides too: 8B qkv above M = 4096.
+    large = fp8_cutlass.scaled_mm_config(8192)
+    assert fp8_cutlass.scaled_mm_config(8192, 6144, 4096) == 4 != large
+    assert fp8_cutlass.scaled_mm_config(8192, 4096, 14336) == large
 
 
 def test_gemm_ops_pass_opcheck() -> None:

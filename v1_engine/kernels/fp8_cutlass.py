@@ -32,11 +32,15 @@ SCALED_MM_SHAPE_CONFIGS: dict[tuple[int, int, int], int] = {
     (256, 8192, 8192): 4,
     (256, 57344, 8192): 4,
     (256, 8192, 28672): 4,
+    (math.inf, 6144, 4096): 4,
+    (math.inf, 4096, 4096): 4,
 }
 """(M bucket bound, N, K) -> tile configuration, where one beat the bucket's by more than 5%
 (`benchmark_fp8_gemm.py --tune --m 256`, H200, 2026-12-03: the Llama-3-70B o, gate_up and down
 projections at M = 65..256 run config 4 at 1233 / 1325 / 1342 TFLOP/s against config 7's 1148 /
-1059 / 1272)."""
+1059 / 1272; `--tune --m 8192`: the Llama-3-8B qkv and o projections above M = 4096 run config
+4 at 1434 / 1431 TFLOP/s against config 5's 1177 / 1298, their N being too narrow for config
+5's 256-wide tiles to fill the GPU)."""
 
 NUM_SCALED_MM_CONFIGS = 8
 """Tile configurations compiled into the library (ids 0..7), see csrc/scaled_mm_sm90.cuh."""

@@ -26,11 +26,18 @@ import triton.language as tl
 from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 from v1_engine.kernels.pdl import launch_options, pdl_enter
 from v1_engine.kernels.triton_quant import (
+    MAX_BLOCK,
     _as_rows,
     _block_for,
     _num_warps,
     _round_to_e4m3,
 )
+
+ONE_PASS_MAX = MAX_BLOCK
+"""Longest row (norm) or group (SiLU) the kernels hold in registers whole: the input is read
+and the activation computed once. Longer ones take the chunked body, which computes each value
+twice (amax, then quantization) and reads the input twice; at prefill sizes that doubled
+arithmetic (IEEE divisions, exp, roundings) made these kernels compute-bound."""
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -86,6 +93,30 @@ def _normed(
 
 
 @triton.jit
+def _store_groups(
+    y,
+    q_row,
+    scale_row,
+    cols,
+    mask,
+    num_groups,
+    FP8_MAX_: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """Quantizes a [BLOCK] row held in registers per GROUP-wide group (the first num_groups
+    groups; lanes past the row are zeros): scales to scale_row, e4m3 values to q_row."""
+    groups = tl.reshape(y, [BLOCK // GROUP, GROUP])
+    amax = tl.max(tl.abs(groups), axis=1)
+    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX_), MIN_SCALE)
+    group_ids = tl.arange(0, BLOCK // GROUP)
+    tl.store(scale_row + group_ids, scale, mask=group_ids < num_groups)
+    q = tl.reshape(_quantize_to_fp8(groups, scale[:, None], FP8_MAX_), [BLOCK])
+    tl.store(q_row + cols, q.to(q_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rms_norm_quant_kernel(
     x_ptr,
     residual_ptr,
@@ -106,49 +137,78 @@ def _rms_norm_quant_kernel(
     FP8_MAX_: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
+    ONE_PASS_GROUP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per row: the sum of squares (storing x + residual on the way), then per group
-    the amax of the normed values and their quantization. One group per row = per token."""
+    the amax of the normed values and their quantization. One group per row = per token.
+
+    ONE_PASS_GROUP > 0: the row fits one BLOCK and its groups are ONE_PASS_GROUP wide (a power
+    of two; BLOCK for one group per row): the row is loaded and normed once and stays in
+    registers. 0: the chunked body, which recomputes the normed values for the amax and again
+    for the quantization."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     residual_row = residual_ptr + row * residual_row_stride
     offsets = tl.arange(0, BLOCK)
 
-    squares = tl.zeros([BLOCK], dtype=tl.float32)
-    for chunk in range(0, row_len, BLOCK):
-        cols = chunk + offsets
-        mask = cols < row_len
-        s = _residual_sum(x_row, residual_row, cols, mask, HAS_RESIDUAL, IN_DTYPE)
+    if ONE_PASS_GROUP > 0:
+        mask = offsets < row_len
+        s = _residual_sum(x_row, residual_row, offsets, mask, HAS_RESIDUAL, IN_DTYPE)
         if HAS_RESIDUAL:
-            out = residual_out_ptr + row * row_len + cols
+            out = residual_out_ptr + row * row_len + offsets
             tl.store(out, s.to(residual_out_ptr.dtype.element_ty), mask=mask)
-        squares += s * s
-    variance = tl.math.div_rn(tl.sum(squares, axis=0), row_len_f)
-    rstd = tl.math.rsqrt(variance + eps)
+        variance = tl.math.div_rn(tl.sum(s * s, axis=0), row_len_f)
+        normed = _round_to(s * tl.math.rsqrt(variance + eps), IN_DTYPE)
+        w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        y = _round_to(w * normed, NORM_DTYPE)
+        _store_groups(
+            y,
+            q_ptr + row * row_len,
+            scale_ptr + row * groups_per_row,
+            offsets,
+            mask,
+            groups_per_row,
+            FP8_MAX_,
+            MIN_SCALE,
+            BLOCK,
+            ONE_PASS_GROUP,
+        )
+    else:
+        squares = tl.zeros([BLOCK], dtype=tl.float32)
+        for chunk in range(0, row_len, BLOCK):
+            cols = chunk + offsets
+            mask = cols < row_len
+            s = _residual_sum(x_row, residual_row, cols, mask, HAS_RESIDUAL, IN_DTYPE)
+            if HAS_RESIDUAL:
+                out = residual_out_ptr + row * row_len + cols
+                tl.store(out, s.to(residual_out_ptr.dtype.element_ty), mask=mask)
+            squares += s * s
+        variance = tl.math.div_rn(tl.sum(squares, axis=0), row_len_f)
+        rstd = tl.math.rsqrt(variance + eps)
 
-    for group in range(groups_per_row):
-        start = group * group_len
-        end = tl.minimum(start + group_len, row_len)
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for chunk in range(start, end, BLOCK):
-            cols = chunk + offsets
-            mask = cols < end
-            y = _normed(
-                x_row, residual_row, w_ptr, cols, mask, rstd, HAS_RESIDUAL, IN_DTYPE, NORM_DTYPE
-            )
-            amax = tl.maximum(amax, tl.abs(y))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_), MIN_SCALE)
-        tl.store(scale_ptr + row * groups_per_row + group, scale)
-        for chunk in range(start, end, BLOCK):
-            cols = chunk + offsets
-            mask = cols < end
-            y = _normed(
-                x_row, residual_row, w_ptr, cols, mask, rstd, HAS_RESIDUAL, IN_DTYPE, NORM_DTYPE
-            )
-            q = _quantize_to_fp8(y, scale, FP8_MAX_)
-            tl.store(q_ptr + row * row_len + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+        for group in range(groups_per_row):
+            start = group * group_len
+            end = tl.minimum(start + group_len, row_len)
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for chunk in range(start, end, BLOCK):
+                cols = chunk + offsets
+                mask = cols < end
+                y = _normed(
+                    x_row, residual_row, w_ptr, cols, mask, rstd, HAS_RESIDUAL, IN_DTYPE, NORM_DTYPE
+                )
+                amax = tl.maximum(amax, tl.abs(y))
+            scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_), MIN_SCALE)
+            tl.store(scale_ptr + row * groups_per_row + group, scale)
+            for chunk in range(start, end, BLOCK):
+                cols = chunk + offsets
+                mask = cols < end
+                y = _normed(
+                    x_row, residual_row, w_ptr, cols, mask, rstd, HAS_RESIDUAL, IN_DTYPE, NORM_DTYPE
+                )
+                q = _quantize_to_fp8(y, scale, FP8_MAX_)
+                tl.store(q_ptr + row * row_len + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -173,9 +233,12 @@ def _silu_and_mul_quant_kernel(
     FP8_MAX_: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per (row, group) of the output: amax of silu(gate) * up, then quantize."""
+    """One program per (row, group) of the output: amax of silu(gate) * up, then quantize.
+    ONE_PASS: the group fits one BLOCK, computed once and kept in registers; else the chunked
+    body computes it for the amax and again for the quantization."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
@@ -184,17 +247,39 @@ def _silu_and_mul_quant_kernel(
     x_row = x_ptr + row * x_row_stride
     offsets = tl.arange(0, BLOCK)
 
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for chunk in range(start, end, BLOCK):
-        cols = chunk + offsets
-        amax = tl.maximum(amax, tl.abs(_silu_and_mul(x_row, cols, cols < end, half_len, IN_DTYPE)))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_), MIN_SCALE)
-    tl.store(scale_ptr + row * groups_per_row + group, scale)
-    for chunk in range(start, end, BLOCK):
-        cols = chunk + offsets
+    if ONE_PASS:
+        cols = start + offsets
         mask = cols < end
-        q = _quantize_to_fp8(_silu_and_mul(x_row, cols, mask, half_len, IN_DTYPE), scale, FP8_MAX_)
+        y = _silu_and_mul(x_row, cols, mask, half_len, IN_DTYPE)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), FP8_MAX_), MIN_SCALE)
+        tl.store(scale_ptr + row * groups_per_row + group, scale)
+        q = _quantize_to_fp8(y, scale, FP8_MAX_)
         tl.store(q_ptr + row * half_len + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for chunk in range(start, end, BLOCK):
+            cols = chunk + offsets
+            y = _silu_and_mul(x_row, cols, cols < end, half_len, IN_DTYPE)
+            amax = tl.maximum(amax, tl.abs(y))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_), MIN_SCALE)
+        tl.store(scale_ptr + row * groups_per_row + group, scale)
+        for chunk in range(start, end, BLOCK):
+            cols = chunk + offsets
+            mask = cols < end
+            y = _silu_and_mul(x_row, cols, mask, half_len, IN_DTYPE)
+            q = _quantize_to_fp8(y, scale, FP8_MAX_)
+            tl.store(q_ptr + row * half_len + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def _one_pass_group(row_len: int, group_len: int, block: int) -> int:
+    """The group width of the norm kernel's one-pass body over a `block`-wide tile (0: the
+    chunked body): the row must fit the tile and ONE_PASS_MAX, and several groups per row must
+    be a power of two wide to split the tile evenly; one group per row spans the tile."""
+    if block > ONE_PASS_MAX or row_len > block:
+        return 0
+    if group_len >= row_len:
+        return block
+    return group_len if group_len & (group_len - 1) == 0 else 0
 
 
 def _quant_outputs(
@@ -226,7 +311,9 @@ def rms_norm_quant(
     )
     if num_rows == 0:
         return q, scales, residual_out
-    block = _block_for(group_len)
+    row_block = triton.next_power_of_2(max(row_len, 16))
+    one_pass_group = _one_pass_group(row_len, group_len, row_block)
+    block = row_block if one_pass_group else _block_for(group_len)
     _rms_norm_quant_kernel[(num_rows,)](
         rows,
         res_rows,
@@ -247,6 +334,7 @@ def rms_norm_quant(
         FP8_MAX_=FP8_MAX,
         MIN_SCALE=FP8_MIN_SCALE,
         BLOCK=block,
+        ONE_PASS_GROUP=one_pass_group,
         num_warps=_num_warps(block),
         **launch_options(x.device),
     )
@@ -278,6 +366,7 @@ def silu_and_mul_quant(
         FP8_MAX_=FP8_MAX,
         MIN_SCALE=FP8_MIN_SCALE,
         BLOCK=block,
+        ONE_PASS=group_len <= min(block, ONE_PASS_MAX),
         num_warps=_num_warps(block),
         **launch_options(x.device),
     )
