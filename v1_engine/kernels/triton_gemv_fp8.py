@@ -79,6 +79,14 @@ FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | No
         (4, 4096, 4096): _BLOCK_S6,
         (8, 4096, 4096): _BLOCK_S6,
         (16, 4096, 4096): _BLOCK_S6,
+        (32, 4096, 4096): _BLOCK_S6 | {"block_n": 16},
+        (64, 4096, 4096): _BLOCK_S6,
+        (32, 6144, 4096): None,
+        (64, 6144, 4096): None,
+        (32, 28672, 4096): None,
+        (64, 28672, 4096): None,
+        (32, 4096, 14336): None,
+        (64, 4096, 14336): None,
         (1, 28672, 4096): _BLOCK_S4,
         (2, 28672, 4096): _BLOCK_S4,
         (4, 28672, 4096): _BLOCK_S4,
@@ -97,8 +105,10 @@ only for shapes with a config. From `python benchmarks/sweep_skinny_gemm.py --fp
 --shapes qkv,o_proj,gate_up,down` on the H200 (2026-12-03, benchmarks/RESULTS.md "FP8 skinny
 GEMM sweep"): the per-channel CUTLASS GEMM kept every Llama-3-8B shape (the best Triton config
 was 0.89-1.01x of it); the block-scaled one lost every shape, by 1.04-1.34x. Buckets 32 and 64
-(M 17..64) stay on CUTLASS: block-scaled measured 0.56-0.82x of it there in a short run
-(2026-12-03, `--fp8 block --m 32,64`); per-channel is not measured at those M."""
+(M 17..64), `--fp8 block --m 32,64 --seconds 8` (2026-12-03 14:59): Triton keeps o_proj (13.4 vs
+15.2 us at 32, 14.5 vs 15.2 at 64); CUTLASS keeps qkv (0.89 / 0.70x), gate_up (0.79 / 0.58x)
+and down (0.94 / 0.84x), where the activation tile every program re-reads grows with M.
+Per-channel is not measured at those M."""
 
 
 @triton.jit
