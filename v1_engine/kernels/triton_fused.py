@@ -18,7 +18,13 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels.pdl import launch_options, pdl_enter
-from v1_engine.kernels.triton_fused_quant import _TL_DTYPES, _normed, _residual_sum, _silu_and_mul
+from v1_engine.kernels.triton_fused_quant import (
+    _TL_DTYPES,
+    _interpreting,
+    _normed,
+    _residual_sum,
+    _silu_and_mul,
+)
 from v1_engine.kernels.triton_quant import MAX_BLOCK, _as_rows, _block_for, _num_warps
 
 SILU_BLOCK = 1024
@@ -41,6 +47,7 @@ def _add_rms_norm_kernel(
     IN_DTYPE: tl.constexpr,
     NORM_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
+    HW: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per row: x + residual stored with its sum of squares, then the norm."""
@@ -53,7 +60,7 @@ def _add_rms_norm_kernel(
     for chunk in range(0, row_len, BLOCK):
         cols = chunk + offsets
         mask = cols < row_len
-        s = _residual_sum(x_row, residual_row, cols, mask, True, IN_DTYPE)
+        s = _residual_sum(x_row, residual_row, cols, mask, True, IN_DTYPE, HW)
         tl.store(
             residual_out_ptr + row * row_len + cols,
             s.to(residual_out_ptr.dtype.element_ty),
@@ -65,7 +72,7 @@ def _add_rms_norm_kernel(
     for chunk in range(0, row_len, BLOCK):
         cols = chunk + offsets
         mask = cols < row_len
-        y = _normed(x_row, residual_row, w_ptr, cols, mask, rstd, True, IN_DTYPE, NORM_DTYPE)
+        y = _normed(x_row, residual_row, w_ptr, cols, mask, rstd, True, IN_DTYPE, NORM_DTYPE, HW)
         tl.store(out_ptr + row * row_len + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -77,6 +84,7 @@ def _silu_and_mul_kernel(
     x_row_stride,
     IN_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
+    HW: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per (row, block of output columns)."""
@@ -84,7 +92,7 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < half_len
-    y = _silu_and_mul(x_ptr + row * x_row_stride, cols, mask, half_len, IN_DTYPE)
+    y = _silu_and_mul(x_ptr + row * x_row_stride, cols, mask, half_len, IN_DTYPE, HW)
     tl.store(out_ptr + row * half_len + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -117,6 +125,7 @@ def add_rms_norm(
         NORM_DTYPE=_TL_DTYPES[norm_dtype],
         BLOCK=block,
         num_warps=_num_warps(block),
+        HW=not _interpreting(),
         **launch_options(x.device),
     )
     return out, residual_out
@@ -138,6 +147,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         IN_DTYPE=_TL_DTYPES[x.dtype],
         BLOCK=block,
         num_warps=4,
+        HW=not _interpreting(),
         **launch_options(x.device),
     )
     return out
