@@ -10,6 +10,11 @@ and never reaches memory. Each kernel repeats the unfused ops' roundings in the 
   quant sees the value (so a bf16 model quantizes exactly the bf16 values the unfused chain would);
 - the quant divides with `div_rn` and rounds to e4m3 like triton_quant.py, bit for bit.
 
+The roundings are the GPU's casts (nearest even); under the interpreter, whose casts truncate,
+they are done on the bits instead (the `HW` constexpr). A row that fits one tile (ONE_PASS_MAX)
+is loaded and computed once and quantized from registers, per group where the groups split the
+tile evenly; longer rows take chunked bodies that compute each value twice.
+
 Where they cannot agree bit for bit: the norm's sum of squares is reduced in a different order
 and `rsqrt`/`exp` are the hardware approximations (a few fp32 ulps, like the compiled unfused
 graph's), so a normed value that lands within those ulps of a rounding boundary of its dtype can
@@ -318,8 +323,9 @@ def _silu_and_mul_quant_kernel(
 
 def _warps(block: int) -> int:
     """Warps per program: 32 for the widest one-pass tiles (a 14336-wide SiLU row at 4k tokens:
-    246 us with 32, 280 with 16 on the H200), else the quant kernels' choice (the 4096-wide norm
-    row measured 42.5 us with 8 warps, 43.2 with 4, 47.4 with 16)."""
+    212 us with 32, 249 with 16 on the H200), else the quant kernels' choice (the 4096-wide norm
+    row: 37.2-37.5 us with 4, 8 or 16); `benchmarks/sweep_fused_quant.py`. At 32 warps a 16384
+    tile uses 64 registers a thread without spilling; a 32768 tile spills (ONE_PASS_MAX)."""
     return 32 if block >= 16384 else _num_warps(block)
 
 
