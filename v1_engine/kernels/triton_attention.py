@@ -67,7 +67,6 @@ def _find_request(query_start_loc_ptr, q_block_id, num_reqs, BLOCK_Q: tl.constex
 def _kv_offsets(
     table_row,
     tile,
-    tile_hi,
     offs_t,
     kv_len,
     kv_head,
@@ -77,12 +76,10 @@ def _kv_offsets(
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    """Offsets into the K/V caches of the TILE token positions of loop step `tile`. Positions
-    at or past kv_len, and every position of a step at or past tile_hi (the step after a loop's
-    last, or an empty loop's first), read block 0 without touching memory: nothing uses them."""
+    """Offsets into the K/V caches of the TILE token positions of loop step `tile` (positions
+    at or past kv_len read block 0: their loads are masked)."""
     pos = tile * TILE + offs_t
-    valid = pos < tl.minimum(kv_len, tile_hi * TILE)
-    block_id = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    block_id = tl.load(table_row + pos // BLOCK_SIZE, mask=pos < kv_len, other=0).to(tl.int64)
     return block_id * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
 
 
@@ -118,11 +115,10 @@ def _attend_tiles(
     offs_t = tl.arange(0, TILE)
     # A step's cache offsets are looked up one step early (loop-carried), so the block-table
     # load is off the step's critical path: its K/V loads issue at once instead of after a
-    # dependent load of the block ids. An empty range and the step after the last look up
-    # nothing (masked), so a split with no tiles in one of the two loops pays no extra load.
+    # dependent load of the block ids. (An empty range looks up a masked step, never used.)
     next_off = _kv_offsets(
-        table_row, tile_lo, tile_hi, offs_t, kv_len, kv_head, stride_cb, stride_cs, stride_ch,
-        BLOCK_SIZE, TILE,
+        table_row, tl.maximum(tl.minimum(tile_lo, tile_hi - 1), 0), offs_t, kv_len, kv_head,
+        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE,
     )  # fmt: skip
     for tile in range(tile_lo, tile_hi):
         pos = tile * TILE + offs_t
@@ -130,8 +126,8 @@ def _attend_tiles(
             pos_valid = pos < kv_len
         kv_off = next_off
         next_off = _kv_offsets(
-            table_row, tile + 1, tile_hi, offs_t, kv_len, kv_head, stride_cb, stride_cs,
-            stride_ch, BLOCK_SIZE, TILE,
+            table_row, tl.minimum(tile + 1, tile_hi - 1), offs_t, kv_len, kv_head, stride_cb,
+            stride_cs, stride_ch, BLOCK_SIZE, TILE,
         )  # fmt: skip
         if MASKED:
             k_mask = pos_valid[None, :] & dim_valid[:, None]
