@@ -334,9 +334,10 @@ def _interpreting() -> bool:
 
 
 def _one_pass_group(row_len: int, group_len: int, block: int) -> int:
-    """The group width of the norm kernel's one-pass body over a `block`-wide tile (0: the
-    chunked body): the row must fit the tile and ONE_PASS_MAX, and several groups per row must
-    be a power of two wide to split the tile evenly; one group per row spans the tile."""
+    """ONE_PASS_GROUP of both kernels: the group width of the one-pass body over a
+    `block`-wide tile (0: the chunked body). The row must fit the tile and ONE_PASS_MAX, and
+    several groups per row must be a power of two wide to split the tile evenly; one group per
+    row spans the tile."""
     if block > ONE_PASS_MAX or row_len > block:
         return 0
     if group_len >= row_len:
