@@ -199,6 +199,21 @@ def test_interpreter_rejects_mismatched_arguments():
         run_kernel(case)
 
 
+@interpreter_only
+def test_interpreter_launch_overrides():
+    """A capped-register launch (ignored by the interpreter) gives the same output; an unknown
+    launch key is named in the error with the allowed ones."""
+    case = make_paged_case([1, 1], [20, 33], 4, 2, 16, 4, torch.float32, "cpu", seed=6)
+    args = [case[k] for k in ("query", "kv_cache", "block_table", "seq_lens", "query_start_loc")]
+    args += [case["max_query_len"], case["max_seq_len"], case["scale"]]
+    plain, capped = torch.zeros_like(case["query"]), torch.zeros_like(case["query"])
+    ta.paged_attention(*args, plain)
+    ta.paged_attention(*args, capped, launch={"maxnreg": 64, "tile": 16})
+    torch.testing.assert_close(capped, plain, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"launch keys must be among .*maxnreg.*\['warps'\]"):
+        ta.paged_attention(*args, plain, launch={"warps": 4})
+
+
 # ---- host-side decisions (no kernel) -----------------------------------------------------------
 
 

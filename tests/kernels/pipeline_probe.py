@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -53,6 +55,32 @@ def _buffers(name: str) -> dict:
     return {"allocs": allocs, "shared": compiled.metadata.shared}
 
 
+def _resources(name: str) -> dict:
+    """Registers a thread (from the cubin, by the cuobjdump Triton ships), shared memory and
+    warps of the recorded launch of `name`."""
+    kernel, args, kwargs = probe.recorded[name]
+    launch_options = (*probe._LAUNCH_OPTIONS, "maxnreg")
+    options = {key: kwargs.pop(key) for key in launch_options if key in kwargs}
+    signature, constexprs = probe._signature(kernel, args, kwargs)
+    source = ASTSource(kernel, signature, constexprs, _attrs(kernel, args, kwargs))
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run(
+            [os.path.join(tools, "cuobjdump"), "-res-usage", cubin.name],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    return {
+        "registers": registers,
+        "shared": compiled.metadata.shared,
+        "num_warps": options["num_warps"],
+        "num_stages": options["num_stages"],
+    }
+
+
 def main() -> None:
     for module in (triton_attention, triton_mla):
         for value in vars(module).values():
@@ -83,7 +111,25 @@ def main() -> None:
         num_stages=3, swap=True, page_tile=True,
     )  # fmt: skip
     names = ("_paged_attention_kernel", "_mla_decode_kernel")
-    json.dump({name: _buffers(name) for name in names}, sys.stdout)
+    results = {name: _buffers(name) for name in names}
+    # Paged decode attention at its default launch, batch 64 x 1k: registers and shared memory.
+    reqs, block = 64, 16
+    blocks = reqs * ctx // block
+    cache = torch.zeros(2, blocks, block, kv_heads, head, dtype=torch.bfloat16)
+    table = torch.arange(blocks, dtype=torch.int32).view(reqs, -1)
+    lens = torch.full((reqs,), ctx, dtype=torch.int32)
+    starts = torch.arange(reqs + 1, dtype=torch.int32)
+    query = torch.zeros(reqs, heads, head, dtype=torch.bfloat16)
+    triton_attention.paged_attention(
+        query, cache, table, lens, starts, 1, ctx, 0.1, torch.zeros_like(query)
+    )
+    results["default_decode_attention"] = _resources("_paged_attention_kernel")
+    triton_attention.paged_attention(
+        query, cache, table, lens, starts, 1, ctx, 0.1, torch.zeros_like(query),
+        launch={"maxnreg": 64},
+    )  # fmt: skip
+    results["capped_decode_attention"] = _resources("_paged_attention_kernel")
+    json.dump(results, sys.stdout)
 
 
 if __name__ == "__main__":

@@ -26,3 +26,32 @@ def test_mla_decode_double_buffers_latents(buffers):
     # A 32-token step of latents [32, 512] and rope keys [32, 64].
     assert sorted(allocs) == [[2, 32, 64], [2, 32, 512]], allocs
     assert buffers["_mla_decode_kernel"]["shared"] <= 227 * 1024
+
+
+def programs_per_sm(registers: int, shared: int, num_warps: int) -> int:
+    """Programs of a launch one H200 SM holds at once: 64k registers, allocated per warp in
+    steps of 8 a thread, and 228 KiB of shared memory with 1 KiB reserved per program."""
+    by_registers = 65536 // (-(-registers // 8) * 8 * 32 * num_warps)
+    by_shared = (228 * 1024) // (shared + 1024)
+    return min(by_registers, by_shared)
+
+
+def test_default_decode_attention_fits_five_programs_per_sm(buffers):
+    """Each program has one K/V buffer at the default 2 stages and waits on it every step, so
+    the programs resident on an SM set the bytes in flight: 53e463f's kernel (88 registers here,
+    5 programs) ran batch 64 x 1k at 70.1 us, 30f49eb's (108 registers, 4 programs) at 88.0."""
+    usage = buffers["default_decode_attention"]
+    assert usage["num_stages"] == 2 and usage["num_warps"] == 4, usage
+    assert programs_per_sm(usage["registers"], usage["shared"], usage["num_warps"]) >= 5, usage
+
+
+def test_attention_launch_caps_registers(buffers):
+    """`launch={"maxnreg": 64}` reaches the compiler (the sweep tries capped launches)."""
+    assert buffers["capped_decode_attention"]["registers"] <= 64
+    assert buffers["default_decode_attention"]["registers"] > 64
+
+
+def test_programs_per_sm_arithmetic():
+    assert programs_per_sm(88, 38912, 4) == 5
+    assert programs_per_sm(108, 38912, 4) == 4  # 112 a thread after rounding
+    assert programs_per_sm(64, 110 * 1024, 4) == 2  # shared memory bound

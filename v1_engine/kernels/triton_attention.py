@@ -378,6 +378,10 @@ def _launch_config(
     return max(64, group_pad), 32, 4
 
 
+LAUNCH_KEYS = ("block_m", "tile", "num_warps", "num_stages", "maxnreg")
+"""Keys `paged_attention`'s `launch` may override."""
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -401,8 +405,8 @@ def paged_attention(
     query_start_loc [R+1] int32, all on query's device. `num_splits` forces the split-KV factor
     (None picks it from the shape). A float8_e4m3fn cache holds K / k_scale and V / v_scale
     (float32 [1] tensors, required then); a cache in the query's dtype ignores the scales.
-    `launch` overrides the launch configuration (keys block_m, tile, num_warps, num_stages;
-    tuning).
+    `launch` overrides the launch configuration (keys block_m, tile, num_warps, num_stages,
+    maxnreg: a cap on registers per thread, so more programs fit an SM; tuning).
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -423,16 +427,17 @@ def paged_attention(
     head_pad = max(16, triton.next_power_of_2(head_size))
     block_m, tile, num_warps = _launch_config(query.dtype, head_pad, group_pad, max_query_len)
     num_stages = 2
+    options = {}
     if launch:
-        unknown = set(launch) - {"block_m", "tile", "num_warps", "num_stages"}
+        unknown = set(launch) - set(LAUNCH_KEYS)
         if unknown:
-            raise ValueError(
-                f"launch keys must be block_m, tile, num_warps, num_stages; got {unknown}"
-            )
+            raise ValueError(f"launch keys must be among {LAUNCH_KEYS}; got {sorted(unknown)}")
         block_m = max(launch.get("block_m", block_m), group_pad)
         tile = launch.get("tile", tile)
         num_warps = launch.get("num_warps", num_warps)
         num_stages = launch.get("num_stages", num_stages)
+        if launch.get("maxnreg") is not None and not _interpreting():
+            options["maxnreg"] = launch["maxnreg"]
     block_q = block_m // group_pad
     num_q_blocks = num_tokens // block_q + num_reqs
     if num_splits is None:
@@ -495,6 +500,7 @@ def paged_attention(
         KV_FP8=kv_fp8,
         num_warps=num_warps,
         num_stages=num_stages,
+        **options,
         **launch_options(query.device),
     )
     if use_splits:
