@@ -97,6 +97,17 @@ _CANDIDATES_MANY = [
     (32, 64, 8, 2, True, None),
     (32, 32, 8, 3, True, 256),
 ]
+REGISTER_CAPS = {
+    True: (
+        {"maxnreg": 168},
+        {"maxnreg": 128},
+        {"tile": 16, "num_stages": 3, "maxnreg": 128},
+        {"tile": 32, "num_stages": 2, "maxnreg": 168},
+    ),
+    False: ({"maxnreg": 224}, {"maxnreg": 192}),
+}
+"""Launch overrides timed right after the default (keyed by heads <= 16): register caps; a
+capped launch that wins is reported with its `maxnreg` (LaunchConfig has no such field yet)."""
 _PAGE_TILE_TRIES = 8
 """The first candidates also run with page_tile (one block id per step) right after."""
 
@@ -214,6 +225,13 @@ def sweep(
 
     default = launch_config(heads, dot_f32=False)
     results = [(rate({}), "default", {k: getattr(default, k) for k in CONFIG_KEYS})]
+    # The default with its registers capped, so more programs fit an SM (the 16-head default
+    # takes 184 registers and 91 KiB: 2 programs; <= 168 and a smaller footprint allow 3).
+    for capped in REGISTER_CAPS.get(heads <= 16, ()):
+        try:
+            results.append((rate(capped), "", capped))
+        except Exception as error:  # noqa: BLE001 - out of resources, compiler errors: skip
+            print(f"  skipped {capped}: {type(error).__name__}", flush=True)
     timed = 0
     for i, launch in enumerate(launches):
         if time.perf_counter() - start > seconds:

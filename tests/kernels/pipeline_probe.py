@@ -129,6 +129,19 @@ def main() -> None:
         launch={"maxnreg": 64},
     )  # fmt: skip
     results["capped_decode_attention"] = _resources("_paged_attention_kernel")
+    # MLA decode at its 16-head default, and with its registers capped.
+    rank, rope, block = 512, 64, 64
+    blocks = reqs * ctx // block
+    latents = torch.zeros(blocks, block, rank + rope, dtype=torch.bfloat16)
+    table = torch.arange(blocks, dtype=torch.int32).view(reqs, -1)
+    q_nope = torch.zeros(reqs, 16, rank, dtype=torch.bfloat16)
+    q_pe = torch.zeros(reqs, 16, rope, dtype=torch.bfloat16)
+    out = torch.zeros(reqs, 16, rank, dtype=torch.bfloat16)
+    for key, cap in (("default_mla", None), ("capped_mla", 128)):
+        triton_mla.mla_decode(
+            q_nope, q_pe, latents, table, lens, starts, ctx, 0.1, out, maxnreg=cap
+        )
+        results[key] = _resources("_mla_decode_kernel")
     json.dump(results, sys.stdout)
 
 

@@ -51,6 +51,11 @@ def test_attention_launch_caps_registers(buffers):
     assert buffers["default_decode_attention"]["registers"] > 64
 
 
+def test_mla_launch_caps_registers(buffers):
+    """mla_decode's `maxnreg` reaches the compiler (sweep_mla.py times capped launches)."""
+    assert buffers["capped_mla"]["registers"] <= 128 < buffers["default_mla"]["registers"]
+
+
 def test_programs_per_sm_arithmetic():
     assert programs_per_sm(88, 38912, 4) == 5
     assert programs_per_sm(108, 38912, 4) == 4  # 112 a thread after rounding

@@ -383,6 +383,7 @@ def mla_decode(
     swap: bool | None = None,
     block_v: int | None = None,
     page_tile: bool | None = None,
+    maxnreg: int | None = None,
 ) -> None:
     """Absorbed MLA of every decode request's token over its cached latents, into output.
 
@@ -397,7 +398,8 @@ def mla_decode(
     tokens per loop step), `num_warps`, `num_stages`, `swap` (transposed dots), `block_v` (latent
     dims of the output per program; a power of two up to kv_lora_rank's) and `page_tile` (one
     cache block per loop step; tile must divide the block size) override the launch
-    configuration (None picks it from the shape, see `launch_config` and `LaunchConfig`).
+    configuration (None picks it from the shape, see `launch_config` and `LaunchConfig`);
+    `maxnreg` caps the registers a thread (tuning: more programs then fit an SM).
     """
     _check_args(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, output)
     num_reqs = seq_lens.shape[0]
@@ -489,6 +491,7 @@ def mla_decode(
         DOT_PRECISION="ieee" if dot_f32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
+        **({"maxnreg": maxnreg} if maxnreg is not None and not _interpreting() else {}),
         **launch_options(q_nope.device),
     )
     if use_splits:
