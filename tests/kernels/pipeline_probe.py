@@ -81,66 +81,53 @@ def _resources(name: str) -> dict:
     }
 
 
+def _attention_inputs(reqs: int, ctx: int) -> tuple:
+    """A decode step of paged attention: 32 query / 8 KV heads, head 128, block 16."""
+    heads, kv_heads, head, block = 32, 8, 128, 16
+    blocks = reqs * ctx // block
+    cache = torch.zeros(2, blocks, block, kv_heads, head, dtype=torch.bfloat16)
+    table = torch.arange(blocks, dtype=torch.int32).view(reqs, -1)
+    query = torch.zeros(reqs, heads, head, dtype=torch.bfloat16)
+    return query, cache, table, *_request_tensors(reqs, ctx), 1, ctx, 0.1, torch.zeros_like(query)
+
+
+def _mla_inputs(reqs: int, ctx: int) -> tuple:
+    """A decode step of MLA: 16 heads, latent 512 + rope 64, block 64."""
+    heads, rank, rope, block = 16, 512, 64, 64
+    blocks = reqs * ctx // block
+    latents = torch.zeros(blocks, block, rank + rope, dtype=torch.bfloat16)
+    table = torch.arange(blocks, dtype=torch.int32).view(reqs, -1)
+    q_nope = torch.zeros(reqs, heads, rank, dtype=torch.bfloat16)
+    q_pe = torch.zeros(reqs, heads, rope, dtype=torch.bfloat16)
+    out = torch.zeros(reqs, heads, rank, dtype=torch.bfloat16)
+    return q_nope, q_pe, latents, table, *_request_tensors(reqs, ctx), ctx, 0.1, out
+
+
+def _request_tensors(reqs: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """seq_lens and query_start_loc of `reqs` one-token decode requests at `ctx` tokens."""
+    lens = torch.full((reqs,), ctx, dtype=torch.int32)
+    return lens, torch.arange(reqs + 1, dtype=torch.int32)
+
+
 def main() -> None:
     for module in (triton_attention, triton_mla):
         for value in vars(module).values():
             if isinstance(value, triton.JITFunction) and value.fn.__module__ == module.__name__:
                 value.run = probe._recorder(value)
-    # Paged decode attention: 4 requests x 1k context, 32 query / 8 KV heads, head 128, block 16.
-    heads, kv_heads, head, block, reqs, ctx = 32, 8, 128, 16, 4, 1024
-    blocks = reqs * ctx // block
-    cache = torch.zeros(2, blocks, block, kv_heads, head, dtype=torch.bfloat16)
-    table = torch.arange(blocks, dtype=torch.int32).view(reqs, -1)
-    lens = torch.full((reqs,), ctx, dtype=torch.int32)
-    starts = torch.arange(reqs + 1, dtype=torch.int32)
-    query = torch.zeros(reqs, heads, head, dtype=torch.bfloat16)
-    out = torch.zeros_like(query)
-    triton_attention.paged_attention(
-        query, cache, table, lens, starts, 1, ctx, 0.1, out, launch={"num_stages": 3}
-    )
-    # MLA decode: 16 heads, latent 512 + rope 64, block 64, one cache block per 32-token step.
-    rank, rope, block = 512, 64, 64
-    blocks = reqs * ctx // block
-    latents = torch.zeros(blocks, block, rank + rope, dtype=torch.bfloat16)
-    table = torch.arange(blocks, dtype=torch.int32).view(reqs, -1)
-    q_nope = torch.zeros(reqs, 16, rank, dtype=torch.bfloat16)
-    q_pe = torch.zeros(reqs, 16, rope, dtype=torch.bfloat16)
-    out = torch.zeros(reqs, 16, rank, dtype=torch.bfloat16)
+    # Three stages: 4 requests x 1k context; MLA one cache block per 32-token step, transposed.
+    triton_attention.paged_attention(*_attention_inputs(4, 1024), launch={"num_stages": 3})
     triton_mla.mla_decode(
-        q_nope, q_pe, latents, table, lens, starts, ctx, 0.1, out, tile=32, num_warps=4,
-        num_stages=3, swap=True, page_tile=True,
-    )  # fmt: skip
+        *_mla_inputs(4, 1024), tile=32, num_warps=4, num_stages=3, swap=True, page_tile=True
+    )
     names = ("_paged_attention_kernel", "_mla_decode_kernel")
     results = {name: _buffers(name) for name in names}
-    # Paged decode attention at its default launch, batch 64 x 1k: registers and shared memory.
-    reqs, block = 64, 16
-    blocks = reqs * ctx // block
-    cache = torch.zeros(2, blocks, block, kv_heads, head, dtype=torch.bfloat16)
-    table = torch.arange(blocks, dtype=torch.int32).view(reqs, -1)
-    lens = torch.full((reqs,), ctx, dtype=torch.int32)
-    starts = torch.arange(reqs + 1, dtype=torch.int32)
-    query = torch.zeros(reqs, heads, head, dtype=torch.bfloat16)
-    triton_attention.paged_attention(
-        query, cache, table, lens, starts, 1, ctx, 0.1, torch.zeros_like(query)
-    )
-    results["default_decode_attention"] = _resources("_paged_attention_kernel")
-    triton_attention.paged_attention(
-        query, cache, table, lens, starts, 1, ctx, 0.1, torch.zeros_like(query),
-        launch={"maxnreg": 64},
-    )  # fmt: skip
-    results["capped_decode_attention"] = _resources("_paged_attention_kernel")
-    # MLA decode at its 16-head default, and with its registers capped.
-    rank, rope, block = 512, 64, 64
-    blocks = reqs * ctx // block
-    latents = torch.zeros(blocks, block, rank + rope, dtype=torch.bfloat16)
-    table = torch.arange(blocks, dtype=torch.int32).view(reqs, -1)
-    q_nope = torch.zeros(reqs, 16, rank, dtype=torch.bfloat16)
-    q_pe = torch.zeros(reqs, 16, rope, dtype=torch.bfloat16)
-    out = torch.zeros(reqs, 16, rank, dtype=torch.bfloat16)
+    # The default launches at batch 64 x 1k (registers, shared memory), and with capped registers.
+    attention, mla = _attention_inputs(64, 1024), _mla_inputs(64, 1024)
+    for key, cap in (("default_decode_attention", None), ("capped_decode_attention", 64)):
+        triton_attention.paged_attention(*attention, launch={"maxnreg": cap} if cap else None)
+        results[key] = _resources("_paged_attention_kernel")
     for key, cap in (("default_mla", None), ("capped_mla", 128)):
-        triton_mla.mla_decode(
-            q_nope, q_pe, latents, table, lens, starts, ctx, 0.1, out, maxnreg=cap
-        )
+        triton_mla.mla_decode(*mla, maxnreg=cap)
         results[key] = _resources("_mla_decode_kernel")
     json.dump(results, sys.stdout)
 
