@@ -121,7 +121,8 @@ def sweep(
     if baseline is not None:
         results.append((time_us(kernel=baseline), "baseline", {}))
     # The default launch with its registers capped: a program's registers can decide how many
-    # fit an SM (88 vs 108 a thread was 5 vs 4 programs, 70 vs 88 us at 64 x 1k).
+    # fit an SM (under Triton 3.6, 120 vs 145 a thread was 4 vs 3 programs: 70 vs 88 us at
+    # 64 x 1k; benchmarks/RESULTS.md).
     for maxnreg in (96, 80):
         results.append((time_us(launch={"maxnreg": maxnreg}), "", {"maxnreg": maxnreg}))
     space = itertools.product((64, 32, 128, 16), (4, 8, 2), (2, 3, 1, 4), (None, 1, 2, 4, 8))

@@ -113,9 +113,11 @@ def _attend_tiles(
     """Online softmax over key tiles [tile_lo, tile_hi); MASKED applies the causal and
     end-of-sequence masks (off for tiles every row sees whole)."""
     offs_t = tl.arange(0, TILE)
-    # A step's cache offsets are looked up one step early (loop-carried), so the block-table
-    # load is off the step's critical path: its K/V loads issue at once instead of after a
-    # dependent load of the block ids. (An empty range looks up a masked step, never used.)
+    # A step's cache offsets are computed one step early (loop-carried; an empty range looks up
+    # a masked step, never used). In the compiled loop the next step's K/V copies still follow
+    # the block-table load of the same iteration; what this form gained over a lookup inside
+    # the step was registers (120 vs 145 a thread under Triton 3.6: 4 vs 3 programs an SM),
+    # which set the bytes in flight here (benchmarks/RESULTS.md; test_pipelining.py).
     next_off = _kv_offsets(
         table_row, tl.maximum(tl.minimum(tile_lo, tile_hi - 1), 0), offs_t, kv_len, kv_head,
         stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE,
