@@ -245,7 +245,7 @@ def test_gpu_fused_moe_block_fp8_v3_shapes_fp32_dots(monkeypatch):
     """The V3 case of the test above with the e4m3 tiles upcast to float32 before tl.dot (the
     interpreter's path): same indexing and scaling, no FP8 tensor-core dot. When the FP8 case
     fails and this one passes, the fault is in the FP8 dot, not in the scale or row indexing."""
-    monkeypatch.setattr(triton_moe, "_interpreting", lambda: True)
+    monkeypatch.setattr(triton_moe, "interpreting", lambda: True)
     torch.manual_seed(1)
     num_experts, top_k, hidden, inter = 16, 8, 7168, 2048
     weights, ids = random_routing(1, num_experts, top_k, seed=1)

@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from v1_engine.kernels import interpreting
+
 PDL_ENABLED = os.environ.get("V1ENGINE_PDL", "1") != "0"
 """V1ENGINE_PDL=0 launches every kernel without programmatic dependent launch."""
 
@@ -57,7 +59,7 @@ def use_pdl(device: torch.device) -> bool:
     not turned off by V1ENGINE_PDL=0."""
     if not PDL_ENABLED or device.type != "cuda":
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if interpreting():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index)[0] >= 9 and _triton_launches_pdl()

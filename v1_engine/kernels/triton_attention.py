@@ -33,13 +33,13 @@ host decisions use only python ints (token count, request count, max query/seq l
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
+from v1_engine.kernels import interpreting
 from v1_engine.kernels.cache_ops import check_fp8_scales
 from v1_engine.kernels.pdl import launch_options, pdl_enter, pdl_release, pdl_wait
 
@@ -331,10 +331,6 @@ def _merge_splits_kernel(
     )
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 @lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -438,7 +434,7 @@ def paged_attention(
         tile = launch.get("tile", tile)
         num_warps = launch.get("num_warps", num_warps)
         num_stages = launch.get("num_stages", num_stages)
-        if launch.get("maxnreg") is not None and not _interpreting():
+        if launch.get("maxnreg") is not None and not interpreting():
             options["maxnreg"] = launch["maxnreg"]
     block_q = block_m // group_pad
     num_q_blocks = num_tokens // block_q + num_reqs
@@ -462,7 +458,7 @@ def paged_attention(
         part_out = part_max = part_sum = output  # unused by the kernel
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     # The interpreter multiplies bfloat16 blocks as their raw bits: upcast there.
-    dot_f32 = query.dtype == torch.float32 or (_interpreting() and query.dtype == torch.bfloat16)
+    dot_f32 = query.dtype == torch.float32 or (interpreting() and query.dtype == torch.bfloat16)
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         output,
         part_out,

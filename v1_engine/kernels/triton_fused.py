@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
+from v1_engine.kernels import interpreting
 from v1_engine.kernels.pdl import launch_options, pdl_enter
 from v1_engine.kernels.triton_fused_quant import (
     _TL_DTYPES,
-    _interpreting,
     _normed,
     _residual_sum,
     _silu_and_mul,
@@ -125,7 +125,7 @@ def add_rms_norm(
         NORM_DTYPE=_TL_DTYPES[norm_dtype],
         BLOCK=block,
         num_warps=_num_warps(block),
-        HW=not _interpreting(),
+        HW=not interpreting(),
         **launch_options(x.device),
     )
     return out, residual_out
@@ -147,7 +147,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         IN_DTYPE=_TL_DTYPES[x.dtype],
         BLOCK=block,
         num_warps=4,
-        HW=not _interpreting(),
+        HW=not interpreting(),
         **launch_options(x.device),
     )
     return out

@@ -24,12 +24,11 @@ round the other way: one ulp of the norm dtype, and then at most one e4m3 step f
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from v1_engine.kernels import interpreting
 from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 from v1_engine.kernels.pdl import launch_options, pdl_enter
 from v1_engine.kernels.triton_quant import (
@@ -329,10 +328,6 @@ def _warps(block: int) -> int:
     return 32 if block >= 16384 else _num_warps(block)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _one_pass_group(row_len: int, group_len: int, block: int) -> int:
     """ONE_PASS_GROUP of both kernels: the group width of the one-pass body over a
     `block`-wide tile (0: the chunked body). The row must fit the tile and ONE_PASS_MAX, and
@@ -398,7 +393,7 @@ def rms_norm_quant(
         MIN_SCALE=FP8_MIN_SCALE,
         BLOCK=block,
         ONE_PASS_GROUP=one_pass_group,
-        HW=not _interpreting(),
+        HW=not interpreting(),
         num_warps=_warps(block),
         **launch_options(x.device),
     )
@@ -434,7 +429,7 @@ def silu_and_mul_quant(
         MIN_SCALE=FP8_MIN_SCALE,
         BLOCK=block,
         ONE_PASS_GROUP=one_pass_group,
-        HW=not _interpreting(),
+        HW=not interpreting(),
         num_warps=_warps(block),
         **launch_options(x.device),
     )

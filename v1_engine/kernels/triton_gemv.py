@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from v1_engine.kernels import interpreting
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 
 SKINNY_MAX_M = 64
@@ -340,10 +341,6 @@ def _skinny_gemm_kernel(
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def m_bucket(m: int) -> int:
     """M rounded up to a power of two: the row count the launch table is keyed by."""
     return 1 << max(0, m - 1).bit_length()
@@ -419,7 +416,7 @@ def _constexprs(
     return {
         "HAS_BIAS": has_bias,
         "MODE": mode,
-        "DOT_F32": dtype == torch.float32 or _interpreting(),
+        "DOT_F32": dtype == torch.float32 or interpreting(),
         "BLOCK_M": block_rows(config["mode"], m),
         "BLOCK_N": config["block_n"],
         "BLOCK_K": config["block_k"],

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from v1_engine.kernels import triton_gemv
+from v1_engine.kernels import interpreting, triton_gemv
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.triton_gemv import _dot, m_bucket
 
@@ -314,7 +314,7 @@ def _constexprs(
 ) -> dict[str, int | bool]:
     """Compile-time arguments and launch options shared by both kernels."""
     return {
-        "DOT_F32": triton_gemv._interpreting(),
+        "DOT_F32": interpreting(),
         "BLOCK_M": triton_gemv.block_rows("dot_swap", m),
         "BLOCK_N": config["block_n"],
         "BLOCK_K": config["block_k"],

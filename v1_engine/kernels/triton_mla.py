@@ -43,7 +43,6 @@ graph.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -51,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from v1_engine.kernels import interpreting
 from v1_engine.kernels.pdl import launch_options, pdl_enter, pdl_release, pdl_wait
 from v1_engine.kernels.triton_attention import check_paged_metadata
 
@@ -332,10 +332,6 @@ def _mla_merge_kernel(
     )
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 @lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -407,7 +403,7 @@ def mla_decode(
     rope = q_pe.shape[2]
     if q_nope.shape[0] == 0 or num_reqs == 0:
         return
-    dot_f32 = q_nope.dtype == torch.float32 or (_interpreting() and q_nope.dtype == torch.bfloat16)
+    dot_f32 = q_nope.dtype == torch.float32 or (interpreting() and q_nope.dtype == torch.bfloat16)
     default = launch_config(num_heads, dot_f32)
     block_h = default.block_h if block_h is None else block_h
     tile = default.tile if tile is None else tile
@@ -491,7 +487,7 @@ def mla_decode(
         DOT_PRECISION="ieee" if dot_f32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
-        **({"maxnreg": maxnreg} if maxnreg is not None and not _interpreting() else {}),
+        **({"maxnreg": maxnreg} if maxnreg is not None and not interpreting() else {}),
         **launch_options(q_nope.device),
     )
     if use_splits:

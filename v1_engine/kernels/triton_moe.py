@@ -28,13 +28,13 @@ once, so a launch can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from v1_engine.kernels import interpreting
 from v1_engine.kernels.fp8 import BLOCK_SIZE as FP8_BLOCK
 from v1_engine.kernels.fp8 import FP8_DTYPE
 from v1_engine.kernels.pdl import launch_options, pdl_enter, pdl_release, pdl_wait
@@ -296,10 +296,6 @@ def gemm_config(num_pairs: int, num_experts: int, fp8: bool) -> GemmConfig:
     return GemmConfig(64, 128, block_k, 8, 3)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _launch_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -317,7 +313,7 @@ def _launch_gemm(
     assert not fp8 or a.dtype == FP8_DTYPE, "block-FP8 weights take quantized activations"
     dummy = aligned.num_post_padded
     # The interpreter multiplies 16-bit and fp8 blocks incorrectly: upcast there.
-    dot_f32 = a.dtype == torch.float32 or _interpreting()
+    dot_f32 = a.dtype == torch.float32 or interpreting()
     grid = (aligned.max_blocks, triton.cdiv(n, config.block_n))
     _moe_gemm_kernel[grid](
         a,
