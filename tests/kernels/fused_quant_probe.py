@@ -20,9 +20,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import pdl_ptx_probe as probe
 import torch
 import triton
-from pipeline_probe import _attrs
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from pipeline_probe import compile_recorded
 
 from v1_engine.kernels import triton_fused_quant as fused_quant
 
@@ -41,12 +39,8 @@ def _recorder(kernel: triton.JITFunction):
 
 
 def _compile(name: str) -> dict:
-    kernel, args, kwargs = probe.recorded[name]
-    kwargs = dict(kwargs)
-    options = {key: kwargs.pop(key) for key in probe._LAUNCH_OPTIONS if key in kwargs}
-    signature, constexprs = probe._signature(kernel, args, kwargs)
-    source = ASTSource(kernel, signature, constexprs, _attrs(kernel, args, kwargs))
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    compiled, options, constexprs = compile_recorded(name)
+    ptx = compiled.asm["ptx"]
     return {
         "one_pass_group": constexprs["ONE_PASS_GROUP"],
         "block": constexprs["BLOCK"],

@@ -45,12 +45,21 @@ def _attrs(kernel: triton.JITFunction, args: tuple, kwargs: dict) -> dict:
     return attrs
 
 
-def _buffers(name: str) -> dict:
+def compile_recorded(name: str) -> tuple:
+    """(compiled kernel, launch options, constexprs) of the recorded launch of kernel `name`,
+    compiled for sm_90 with the launch's divisibility and options (maxnreg included)."""
     kernel, args, kwargs = probe.recorded[name]
-    options = {key: kwargs.pop(key) for key in probe._LAUNCH_OPTIONS if key in kwargs}
+    kwargs = dict(kwargs)
+    keys = (*probe._LAUNCH_OPTIONS, "maxnreg")
+    options = {key: kwargs.pop(key) for key in keys if key in kwargs}
     signature, constexprs = probe._signature(kernel, args, kwargs)
     source = ASTSource(kernel, signature, constexprs, _attrs(kernel, args, kwargs))
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return compiled, options, constexprs
+
+
+def _buffers(name: str) -> dict:
+    compiled, _, _ = compile_recorded(name)
     allocs = [tuple(map(int, m)) for m in _BUFFERS.findall(compiled.asm["ttgir"])]
     return {"allocs": allocs, "shared": compiled.metadata.shared}
 
@@ -58,12 +67,7 @@ def _buffers(name: str) -> dict:
 def _resources(name: str) -> dict:
     """Registers a thread (from the cubin, by the cuobjdump Triton ships), shared memory and
     warps of the recorded launch of `name`."""
-    kernel, args, kwargs = probe.recorded[name]
-    launch_options = (*probe._LAUNCH_OPTIONS, "maxnreg")
-    options = {key: kwargs.pop(key) for key in launch_options if key in kwargs}
-    signature, constexprs = probe._signature(kernel, args, kwargs)
-    source = ASTSource(kernel, signature, constexprs, _attrs(kernel, args, kwargs))
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    compiled, options, _ = compile_recorded(name)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
