@@ -2,8 +2,10 @@
 needed) at three stages, paged attention gets two K/V buffers and MLA decode two latent buffers,
 so a step's loads fly while the previous step computes. With the block-table lookup inside the
 step (the K/V loads depending on a load of the same iteration) the pipeliner spent a stage on
-that chain and left one buffer: each step waited for its own loads (batch 64 x 4k attention ran
-at 75% of HBM that way, 99% with the lookup a step early; benchmarks/RESULTS.md)."""
+that chain and left one buffer: each step waited for its own loads. At the default 2 stages
+attention keeps one buffer either way, and there its speed follows the programs an SM holds, set
+by its registers (70.1 vs 88-90 us at batch 64 x 1k for 4 vs 3 programs under the GPU's Triton;
+benchmarks/RESULTS.md): the last tests guard that."""
 
 from __future__ import annotations
 

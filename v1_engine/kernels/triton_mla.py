@@ -205,9 +205,11 @@ def _mla_decode_kernel(
         acc = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
     offs_t = tl.arange(0, TILE)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    # A step's cache rows are looked up one step early (loop-carried), so the block-table load
-    # is off the step's critical path: its latent loads issue at once instead of after a
-    # dependent load of the block ids. (An empty split looks up a valid step, never used.)
+    # A step's cache rows are looked up one step early (loop-carried; an empty split looks up a
+    # valid step, never used). With the lookup inside the step Triton's pipeliner spent a stage
+    # on the block-id -> latent chain and left one latent buffer; now every stage is one
+    # (test_pipelining.py). As in paged attention, the compiled loop may still order a step's
+    # copies after the same iteration's table load.
     next_row = _cache_rows(
         table_row, cache_ptr, tl.maximum(tl.minimum(tile_lo, num_tiles - 1), 0), offs_t,
         seq_len, stride_cb, stride_cs, BLOCK_SIZE, TILE, PAGE_TILE,
