@@ -47,6 +47,7 @@ def _compile(name: str) -> dict:
         "num_warps": options["num_warps"],
         "grid": list(_grids[name]),
         "hardware_e4m3_casts": ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
+        "ieee_divisions": ptx.count("div.rn.f32"),
         # 2^23, which the interpreter's bit-level e4m3 rounding adds and subtracts.
         "emulated_rounding": ptx.count("0f4B000000"),
     }

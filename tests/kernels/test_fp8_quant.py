@@ -21,8 +21,12 @@ if not _CUDA:
     if "v1_engine.kernels.triton_quant" in sys.modules:
         importlib.reload(sys.modules["v1_engine.kernels.triton_quant"])
 
+import triton
+import triton.language as tl
+
 from v1_engine.kernels import fp8
 from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from v1_engine.kernels.triton_quant import _quantize_to_fp8
 
 E4M3_HALF_ULP = 2.0**-4  # 3 mantissa bits: rounding error <= 1/16 relative in the normal range
 E4M3_MIN_NORMAL = 2.0**-6
@@ -188,6 +192,50 @@ def test_references_divide_exactly_on_gpu() -> None:
         (q_gpu, s_gpu), (q_cpu, s_cpu) = ref(x.cuda()), ref(x)
         assert torch.equal(s_gpu.cpu(), s_cpu)
         assert torch.equal(as_bytes(q_gpu).cpu(), as_bytes(q_cpu))
+
+
+@triton.jit
+def _division_mismatch_kernel(counts_ptr, BLOCK: tl.constexpr):
+    """Program (y, j): y = +-(1 + m / 128) for the bf16 mantissa m = program_id(0) // 2, against
+    the BLOCK scale mantissas from j * BLOCK, every scale in [1, 2). Counts: [0] fp32 quotients
+    of `_quantize_to_fp8`'s GPU sequence that differ from `div_rn`'s; [1] e4m3 bytes that differ
+    from the interpreter path's (div_rn, clamp, bit rounding) with y scaled by 2^-12 .. 2^8, so
+    the quotients cover e4m3's subnormals, normals and saturation; [2] the same for the bf16
+    subnormal y with that mantissa."""
+    pid = tl.program_id(0)
+    sign = (pid % 2) << 31
+    y_bits = sign | (127 << 23) | ((pid // 2) << 16)
+    s_bits = (127 << 23) | (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))
+    s = s_bits.to(tl.float32, bitcast=True)
+    y = (tl.zeros([BLOCK], tl.int32) + y_bits).to(tl.float32, bitcast=True)
+    fast = _quantize_to_fp8(y, s, 448.0, True)
+    exact = tl.math.div_rn(y, s)
+    bad = fast.to(tl.int32, bitcast=True) != exact.to(tl.int32, bitcast=True)
+    tl.atomic_add(counts_ptr, tl.sum(bad.to(tl.int32), axis=0))
+    bad_bytes = tl.zeros([BLOCK], tl.int32)
+    for shift in tl.static_range(-12, 9):
+        ys = y * (2.0**shift)
+        hw = _quantize_to_fp8(ys, s, 448.0, True).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        ref = _quantize_to_fp8(ys, s, 448.0, False).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        bad_bytes += (hw != ref).to(tl.int32)
+    tl.atomic_add(counts_ptr + 1, tl.sum(bad_bytes, axis=0))
+    tiny = (tl.zeros([BLOCK], tl.int32) + (sign | ((pid // 2) << 16))).to(tl.float32, bitcast=True)
+    hw = _quantize_to_fp8(tiny, s, 448.0, True).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    ref = _quantize_to_fp8(tiny, s, 448.0, False).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    tl.atomic_add(counts_ptr + 2, tl.sum((hw != ref).to(tl.int32), axis=0))
+
+
+@pytest.mark.gpu
+def test_quant_division_equals_div_rn_for_every_mantissa_gpu() -> None:
+    """`_quantize_to_fp8` replaces `div_rn` on the GPU with a reciprocal and Markstein's fma
+    correction. Correct rounding of a normal quotient depends only on the two mantissas, so
+    every bf16 mantissa (both signs) against every one of the 2^23 fp32 scale mantissas is the
+    whole normal range: no quotient may differ by a bit, and no e4m3 byte from the
+    interpreter path's over the exponents the quant meets."""
+    block = 1024
+    counts = torch.zeros(3, dtype=torch.int32, device="cuda")
+    _division_mismatch_kernel[(256, (1 << 23) // block)](counts, BLOCK=block)
+    assert counts.tolist() == [0, 0, 0]
 
 
 # ----- public API on CPU: ops, fake impls, validation ------------------------------------------

@@ -8,7 +8,7 @@ and never reaches memory. Each kernel repeats the unfused ops' roundings in the 
 - the residual sum and the norm's `.to(dtype)` round to the input dtype, `weight * normed` to
   the promoted norm dtype, SiLU to the input dtype and its product with `up` again, before the
   quant sees the value (so a bf16 model quantizes exactly the bf16 values the unfused chain would);
-- the quant divides with `div_rn` and rounds to e4m3 like triton_quant.py, bit for bit.
+- the quant divides and rounds to e4m3 like triton_quant.py (`_quantize_to_fp8`), bit for bit.
 
 The roundings are the GPU's casts (nearest even); under the interpreter, whose casts truncate,
 they are done on the bits instead (the `HW` constexpr). A row that fits one tile (ONE_PASS_MAX)
@@ -36,7 +36,7 @@ from v1_engine.kernels.triton_quant import (
     _as_rows,
     _block_for,
     _num_warps,
-    _round_to_e4m3,
+    _quantize_to_fp8,
 )
 
 ONE_PASS_MAX = MAX_BLOCK
@@ -46,17 +46,6 @@ twice (amax, then quantization) and reads the input twice; at prefill sizes that
 arithmetic (IEEE divisions, exp, roundings) made these kernels compute-bound."""
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-@triton.jit
-def _quantize_to_fp8(y, scale, FP8_MAX_: tl.constexpr, HW: tl.constexpr):
-    """y / scale clamped to the e4m3 range; rounded to e4m3 values on the bits under the
-    interpreter (whose fp8 cast truncates), by the store's cast on the GPU (cvt.rn.satfinite:
-    the same nearest-even rounding, in one instruction)."""
-    q = tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX_, FP8_MAX_)
-    if not HW:
-        q = _round_to_e4m3(q)
-    return q
 
 
 @triton.jit
@@ -256,7 +245,9 @@ def _silu_and_mul(x_row, cols, mask, half_len, IN_DTYPE: tl.constexpr, HW: tl.co
     """silu(gate) * up with both roundings to x's dtype the unfused ops make, in fp32."""
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + half_len + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = _round_to(tl.math.div_rn(gate, 1.0 + tl.exp(-gate)), IN_DTYPE, HW)
+    # `/` is the GPU's fast division (2 ulps), like `exp`'s approximation: a bf16 output is
+    # rounded from them either way (see the module's note on ulps).
+    silu = _round_to(gate / (1.0 + tl.exp(-gate)), IN_DTYPE, HW)
     return _round_to(silu * up, IN_DTYPE, HW)
 
 

@@ -1,10 +1,12 @@
 """FP8 (e4m3) quantization kernels in Triton: per-token, per-token-group and static per-tensor.
 
-fp8.py registers them as the CUDA implementations of its custom ops. They divide with IEEE
-round-to-nearest (`div_rn`) and convert with round-to-nearest-even, exactly as the fp32 PyTorch
-references do, so a kernel and its reference agree bit for bit on the same input. The rounding to e4m3 is done
-in fp32 arithmetic (`_round_to_e4m3`) before the cast, which is then exact: the same on the GPU
-and under the Triton interpreter, whose own fp32 -> fp8 cast rounds some values wrongly.
+fp8.py registers them as the CUDA implementations of its custom ops. Their quotients are IEEE
+round-to-nearest (`div_rn`, or the cheaper sequence of `_quantize_to_fp8` that equals it) and their
+e4m3 values round to nearest even, exactly as the fp32 PyTorch references do, so a kernel and its
+reference agree bit for bit on the same input. On the GPU the e4m3 rounding is the cast itself;
+under the Triton interpreter, whose fp32 -> fp8 cast rounds some values wrongly, it is done in fp32
+arithmetic first (`_round_to_e4m3`), after which the cast is exact. The static kernel always
+takes the latter path (its quotients may overflow: a checkpoint's scale bounds nothing).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from v1_engine.kernels import interpreting
 from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 from v1_engine.kernels.pdl import launch_options, pdl_enter
 
@@ -44,6 +47,31 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def _quantize_to_fp8(y, scale, FP8_MAX_: tl.constexpr, HW: tl.constexpr):
+    """y / scale correctly rounded (as `div_rn`) and clamped to +-FP8_MAX_, then rounded to an
+    e4m3 value: for dynamic scales (|y / scale| <= FP8_MAX_ up to the scale's rounding).
+
+    HW (a GPU): one correctly rounded reciprocal per scale and three fp32 ops per element,
+    Markstein's correction: with r = RN(1 / scale) and q0 = RN(y * r), the remainder
+    y - q0 * scale is exact in one fma and RN(q0 + remainder * r) = RN(y / scale), where a
+    `div.rn` per element (its range check and slow path included) made the fused SiLU kernel
+    compute-bound. This holds while the quotient is a normal fp32; a smaller one rounds to a
+    signed e4m3 zero either way. The e4m3 rounding and the clamp are the store's cast
+    (cvt.rn.satfinite: nearest even, saturating at +-448). test_fp8_quant.py checks every bf16
+    mantissa against every fp32 scale mantissa on the GPU, bit for bit.
+
+    Not HW (the interpreter, whose fp8 cast truncates and whose fma rounds twice): `div_rn`,
+    the clamp and `_round_to_e4m3`, after which the cast is exact."""
+    if HW:
+        r = tl.math.div_rn(1.0, scale)
+        q0 = y * r
+        q = tl.fma(tl.fma(-q0, scale, y), r, q0)
+    else:
+        q = _round_to_e4m3(tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX_, FP8_MAX_))
+    return q
+
+
+@triton.jit
 def _group_quant_kernel(
     x_ptr,
     q_ptr,
@@ -55,6 +83,7 @@ def _group_quant_kernel(
     FP8_MAX_: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
+    HW: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per (row, group): amax over the group, then quantize it. A per-token quant is
@@ -79,7 +108,7 @@ def _group_quant_kernel(
     for chunk in range(start, end, BLOCK):
         cols = chunk + offsets
         x = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
-        q = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX_, FP8_MAX_))
+        q = _quantize_to_fp8(x, scale, FP8_MAX_, HW)
         tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < end)
 
 
@@ -146,6 +175,7 @@ def per_token_group_quant(
         FP8_MAX_=FP8_MAX,
         MIN_SCALE=FP8_MIN_SCALE,
         BLOCK=block,
+        HW=not interpreting(),
         num_warps=_num_warps(block),
         **launch_options(x.device),
     )
