@@ -7,7 +7,7 @@ launch with other warp counts, and with register caps (`maxnreg`) that let an SM
 programs, as microseconds and bandwidth on the bytes it must move (input read once, e4m3 output
 and scales written once; the norm also writes the residual sum). The unfused reference is the
 eager SiLU-and-mul followed by our FP8 quant op, which is also timed alone.
-`_warps` in triton_fused_quant.py is set from this.
+`_launch` in triton_fused_quant.py is set from this.
 
     python benchmarks/sweep_fused_quant.py --tokens 4096
 """
@@ -48,7 +48,8 @@ def time_us(fn) -> float:
 
 def time_launch(kernel, name: str, **overrides) -> float:
     grid, args, kwargs = _recorded[name]
-    kwargs = {k: v for k, v in kwargs.items() if k != "warmup"} | overrides
+    launch_keys = ("warmup", "num_warps", "maxnreg")
+    kwargs = {k: v for k, v in kwargs.items() if k not in launch_keys} | overrides
     return time_us(lambda: kernel[grid](*args, **kwargs))
 
 
@@ -63,9 +64,10 @@ def _launches(warps: list[int], caps: list[int]) -> list[dict]:
     ]
 
 
-def _label(launch: dict, default_warps: int) -> str:
+def _label(launch: dict, recorded: dict) -> str:
     cap = f", maxnreg {launch['maxnreg']}" if "maxnreg" in launch else ""
-    default = " (default)" if launch == {"num_warps": default_warps} else ""
+    default_launch = {k: v for k, v in recorded.items() if k in ("num_warps", "maxnreg")}
+    default = " (default)" if launch == default_launch else ""
     return f"{launch['num_warps']:2d} warps{cap}:".ljust(24) + default
 
 
@@ -88,7 +90,7 @@ def sweep(
     for launch in _launches(warps, caps):
         us = time_launch(fused_quant._silu_and_mul_quant_kernel, "_silu_and_mul_quant_kernel",
                          **launch)  # fmt: skip
-        print(f"  {_label(launch, kwargs['num_warps'])} {rate(nbytes, us)}")
+        print(f"  {_label(launch, kwargs)} {rate(nbytes, us)}")
 
     def unfused():
         y = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
@@ -107,7 +109,7 @@ def sweep(
     for launch in _launches([w for w in warps if w <= 16], caps):
         us = time_launch(fused_quant._rms_norm_quant_kernel, "_rms_norm_quant_kernel",
                          **launch)  # fmt: skip
-        print(f"  {_label(launch, kwargs['num_warps'])} {rate(nbytes, us)}")
+        print(f"  {_label(launch, kwargs)} {rate(nbytes, us)}")
 
     def quant_alone():
         if group is None:

@@ -293,6 +293,7 @@ def test_fused_ops_pass_opcheck():
 # ---- the Triton kernels against the references ------------------------------------------------
 
 triton_fused_quant = pytest.importorskip("v1_engine.kernels.triton_fused_quant")
+triton_quant = pytest.importorskip("v1_engine.kernels.triton_quant")
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
 
 
@@ -342,7 +343,7 @@ def test_triton_kernels_match_refs_interpreted(shape, group_size, dtype):
 def test_triton_chunked_bodies_match_refs_interpreted(monkeypatch, shape, group_size):
     """Rows and groups longer than ONE_PASS_MAX take the chunked bodies (the norm's three
     passes, SiLU's two): same results as the one-pass bodies the other tests run."""
-    monkeypatch.setattr(triton_fused_quant, "ONE_PASS_MAX", 16)
+    monkeypatch.setattr(triton_quant, "ONE_PASS_MAX", 16)
     assert triton_fused_quant._one_pass_group(shape[-1], group_size or shape[-1], 512) == 0
     x, residual = activations(shape, torch.bfloat16, 16), activations(shape, torch.bfloat16, 17)
     weight = norm_weight(shape[-1], torch.bfloat16, 18)

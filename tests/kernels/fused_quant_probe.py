@@ -1,6 +1,7 @@
-"""Compiles the fused norm / SiLU-and-mul + FP8 quant kernels for sm_90 (no GPU needed) in each
-of their bodies and prints, as JSON per case, the body the launcher chose, its grid and how its
-PTX rounds to e4m3. Run by test_fused_quant_compile.py in a fresh process, since the kernel tests
+"""Compiles the fused norm / SiLU-and-mul + FP8 quant kernels and the unfused group quant kernel
+for sm_90 (no GPU needed) in each of their bodies and prints, as JSON per case, the body the
+launcher chose, its grid, launch options, registers and spills, and how its PTX divides and
+rounds to e4m3. Run by test_fused_quant_compile.py in a fresh process, since the kernel tests
 turn on Triton's interpreter for the rest of the session (and the interpreter runs code the GPU
 compiler rejects, such as a tuple of constexprs passed on with `*`).
 
@@ -20,11 +21,16 @@ os.environ.pop("TRITON_INTERPRET", None)
 import pdl_ptx_probe as probe
 import torch
 import triton
-from pipeline_probe import compile_recorded
+from pipeline_probe import compile_recorded, register_usage
 
 from v1_engine.kernels import triton_fused_quant as fused_quant
+from v1_engine.kernels import triton_quant
 
-KERNELS = (fused_quant._rms_norm_quant_kernel, fused_quant._silu_and_mul_quant_kernel)
+KERNELS = (
+    fused_quant._rms_norm_quant_kernel,
+    fused_quant._silu_and_mul_quant_kernel,
+    triton_quant._group_quant_kernel,
+)
 _grids: dict[str, tuple] = {}
 
 
@@ -41,10 +47,14 @@ def _recorder(kernel: triton.JITFunction):
 def _compile(name: str) -> dict:
     compiled, options, constexprs = compile_recorded(name)
     ptx = compiled.asm["ptx"]
+    registers, stack = register_usage(compiled)
     return {
         "one_pass_group": constexprs["ONE_PASS_GROUP"],
         "block": constexprs["BLOCK"],
         "num_warps": options["num_warps"],
+        "maxnreg": options.get("maxnreg"),
+        "registers": registers,
+        "stack": stack,
         "grid": list(_grids[name]),
         "hardware_e4m3_casts": ptx.count("cvt.rn.satfinite.e4m3x2.f32"),
         "ieee_divisions": ptx.count("div.rn.f32"),
@@ -61,12 +71,13 @@ def main() -> None:
     gate_up = torch.zeros(rows, 2 * inter, dtype=bf16)
     weight = torch.ones(hidden, dtype=bf16)
     results = {}
-    for body, one_pass_max in (("one_pass", fused_quant.ONE_PASS_MAX), ("chunked", 16)):
-        fused_quant.ONE_PASS_MAX = one_pass_max
+    for body, one_pass_max in (("one_pass", triton_quant.ONE_PASS_MAX), ("chunked", 16)):
+        triton_quant.ONE_PASS_MAX = one_pass_max
         for group in (None, 128):
             case = f"{body}/{'token' if group is None else group}"
             fused_quant.rms_norm_quant(x, x.clone(), weight, 1e-6, group)
             fused_quant.silu_and_mul_quant(gate_up, group)
+            triton_quant.per_token_group_quant(x, group)
             results[case] = {name: _compile(name) for name in probe.recorded}
             probe.recorded.clear()
     json.dump(results, sys.stdout)

@@ -64,10 +64,9 @@ def _buffers(name: str) -> dict:
     return {"allocs": allocs, "shared": compiled.metadata.shared}
 
 
-def _resources(name: str) -> dict:
-    """Registers a thread (from the cubin, by the cuobjdump Triton ships), shared memory and
-    warps of the recorded launch of `name`."""
-    compiled, options, _ = compile_recorded(name)
+def register_usage(compiled) -> tuple[int, int]:
+    """(registers a thread, bytes of stack a thread: spills) of a compiled kernel, read from its
+    cubin by the cuobjdump Triton ships."""
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -76,9 +75,16 @@ def _resources(name: str) -> dict:
             [os.path.join(tools, "cuobjdump"), "-res-usage", cubin.name],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
-    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    return int(re.search(r"REG:(\d+)", usage).group(1)), int(
+        re.search(r"STACK:(\d+)", usage).group(1)
+    )
+
+
+def _resources(name: str) -> dict:
+    """Registers a thread, shared memory and warps of the recorded launch of `name`."""
+    compiled, options, _ = compile_recorded(name)
     return {
-        "registers": registers,
+        "registers": register_usage(compiled)[0],
         "shared": compiled.metadata.shared,
         "num_warps": options["num_warps"],
         "num_stages": options["num_stages"],

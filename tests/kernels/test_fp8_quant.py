@@ -134,6 +134,22 @@ def test_triton_kernels_match_refs_interpreted(shape: tuple[int, ...], group_siz
 
 
 @interpreter_only
+@pytest.mark.parametrize(("shape", "group_size"), [((3, 200), 64), ((2, 40), 128)])
+def test_triton_chunked_body_matches_refs_interpreted(monkeypatch, shape, group_size) -> None:
+    """Rows past ONE_PASS_MAX take the chunked body: one program per group, read twice."""
+    monkeypatch.setattr(triton_quant, "ONE_PASS_MAX", 16)
+    assert triton_quant._one_pass_group(shape[-1], group_size, 256) == 0
+    check_kernels_match_refs(random_activations(shape, torch.bfloat16, seed=7), group_size)
+
+
+def test_group_quant_takes_one_pass_at_model_widths() -> None:
+    one_pass = triton_quant._one_pass_group
+    assert one_pass(4096, 4096, 4096) == 4096  # per token: the row is one group
+    assert one_pass(7168, 128, 8192) == 128  # DeepSeek-V3's hidden size in 128-groups
+    assert one_pass(18432, 128, 32768) == 0  # past ONE_PASS_MAX: the chunked body
+
+
+@interpreter_only
 def test_triton_kernels_read_strided_rows_interpreted() -> None:
     fused = random_activations((4, 96), torch.float16, seed=4)
     check_kernels_match_refs(fused[:, 16:80], group_size=32)  # a slice: row stride 96

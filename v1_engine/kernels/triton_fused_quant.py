@@ -32,18 +32,13 @@ from v1_engine.kernels import interpreting
 from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 from v1_engine.kernels.pdl import launch_options, pdl_enter
 from v1_engine.kernels.triton_quant import (
-    MAX_BLOCK,
     _as_rows,
     _block_for,
     _num_warps,
+    _one_pass_group,
     _quantize_to_fp8,
+    _store_groups,
 )
-
-ONE_PASS_MAX = MAX_BLOCK
-"""Longest row (norm input or SiLU output) the kernels hold in registers whole: the input is read
-and the activation computed once. Longer ones take the chunked body, which computes each value
-twice (amax, then quantization) and reads the input twice; at prefill sizes that doubled
-arithmetic (IEEE divisions, exp, roundings) made these kernels compute-bound."""
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -98,31 +93,6 @@ def _normed(
     normed = _round_to(s * rstd, IN_DTYPE, HW)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     return _round_to(w * normed, NORM_DTYPE, HW)
-
-
-@triton.jit
-def _store_groups(
-    y,
-    q_row,
-    scale_row,
-    cols,
-    mask,
-    num_groups,
-    FP8_MAX_: tl.constexpr,
-    MIN_SCALE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    GROUP: tl.constexpr,
-    HW: tl.constexpr,
-):
-    """Quantizes a [BLOCK] row held in registers per GROUP-wide group (the first num_groups
-    groups; lanes past the row are zeros): scales to scale_row, e4m3 values to q_row."""
-    groups = tl.reshape(y, [BLOCK // GROUP, GROUP])
-    amax = tl.max(tl.abs(groups), axis=1)
-    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX_), MIN_SCALE)
-    group_ids = tl.arange(0, BLOCK // GROUP)
-    tl.store(scale_row + group_ids, scale, mask=group_ids < num_groups)
-    q = tl.reshape(_quantize_to_fp8(groups, scale[:, None], FP8_MAX_, HW), [BLOCK])
-    tl.store(q_row + cols, q.to(q_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -311,24 +281,16 @@ def _silu_and_mul_quant_kernel(
             tl.store(q_ptr + row * half_len + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def _warps(block: int) -> int:
-    """Warps per program: 32 for the widest one-pass tiles (a 14336-wide SiLU row at 4k tokens:
-    212 us with 32, 249 with 16 on the H200), else the quant kernels' choice (the 4096-wide norm
-    row: 37.2-37.5 us with 4, 8 or 16); `benchmarks/sweep_fused_quant.py`. At 32 warps a 16384
-    tile uses 64 registers a thread without spilling; a 32768 tile spills (ONE_PASS_MAX)."""
-    return 32 if block >= 16384 else _num_warps(block)
-
-
-def _one_pass_group(row_len: int, group_len: int, block: int) -> int:
-    """ONE_PASS_GROUP of both kernels: the group width of the one-pass body over a
-    `block`-wide tile (0: the chunked body). The row must fit the tile and ONE_PASS_MAX, and
-    several groups per row must be a power of two wide to split the tile evenly; one group per
-    row spans the tile."""
-    if block > ONE_PASS_MAX or row_len > block:
-        return 0
-    if group_len >= row_len:
-        return block
-    return group_len if group_len & (group_len - 1) == 0 else 0
+def _launch(block: int) -> dict[str, int]:
+    """Warps (and a register cap) per program. The widest one-pass tiles (a 14336-wide SiLU row in
+    16384) take 16 warps capped at 64 registers a thread, so an SM holds two programs and one
+    row's loads overlap another's arithmetic: 87 us at 4k tokens on the H200, against 103 with
+    32 warps (one program an SM) and 110 with 16 uncapped (Triton 3.6 then exceeds 64);
+    `benchmarks/sweep_fused_quant.py`. Else the quant kernels' choice (the 4096-wide norm row:
+    35-36 us with 8 or 16 warps, capped or not)."""
+    if block >= 16384:
+        return {"num_warps": 16, "maxnreg": 64}
+    return {"num_warps": _num_warps(block)}
 
 
 def _quant_outputs(
@@ -385,7 +347,7 @@ def rms_norm_quant(
         BLOCK=block,
         ONE_PASS_GROUP=one_pass_group,
         HW=not interpreting(),
-        num_warps=_warps(block),
+        **_launch(block),
         **launch_options(x.device),
     )
     return q, scales, residual_out
@@ -421,7 +383,7 @@ def silu_and_mul_quant(
         BLOCK=block,
         ONE_PASS_GROUP=one_pass_group,
         HW=not interpreting(),
-        num_warps=_warps(block),
+        **_launch(block),
         **launch_options(x.device),
     )
     return q, scales

@@ -25,6 +25,14 @@ up to 16k (the MLP width of 8B-70B models) take one chunk: a decode step has one
 and a program walking its row chunk by chunk, twice, is pure latency there."""
 
 
+ONE_PASS_MAX = MAX_BLOCK
+"""Longest row the group quant kernel and the fused norm / SiLU-and-mul + quant kernels
+(triton_fused_quant.py) hold in registers whole: the input is read (and a fused activation
+computed) once. Longer ones take the chunked bodies, which read the input twice (amax, then
+quantization) and compute a fused activation twice; at prefill sizes that doubled arithmetic made
+the fused kernels compute-bound."""
+
+
 @triton.jit
 def _round_to_e4m3(v):
     """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32.
@@ -65,10 +73,37 @@ def _quantize_to_fp8(y, scale, FP8_MAX_: tl.constexpr, HW: tl.constexpr):
     if HW:
         r = tl.math.div_rn(1.0, scale)
         q0 = y * r
-        q = tl.fma(tl.fma(-q0, scale, y), r, q0)
+        # q0 - (q0 * scale - y) * r: the signs written as `* -1.0` (an exact negation) so that
+        # y = -0 gives -0 like div_rn; Triton's unary minus is `0 - x`, which makes +0 of -0.
+        q = tl.fma(tl.fma(q0, scale, y * -1.0), r * -1.0, q0)
     else:
         q = _round_to_e4m3(tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX_, FP8_MAX_))
     return q
+
+
+@triton.jit
+def _store_groups(
+    y,
+    q_row,
+    scale_row,
+    cols,
+    mask,
+    num_groups,
+    FP8_MAX_: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+    HW: tl.constexpr,
+):
+    """Quantizes a [BLOCK] row held in registers per GROUP-wide group (the first num_groups
+    groups; lanes past the row are zeros): scales to scale_row, e4m3 values to q_row."""
+    groups = tl.reshape(y, [BLOCK // GROUP, GROUP])
+    amax = tl.max(tl.abs(groups), axis=1)
+    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX_), MIN_SCALE)
+    group_ids = tl.arange(0, BLOCK // GROUP)
+    tl.store(scale_row + group_ids, scale, mask=group_ids < num_groups)
+    q = tl.reshape(_quantize_to_fp8(groups, scale[:, None], FP8_MAX_, HW), [BLOCK])
+    tl.store(q_row + cols, q.to(q_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -83,33 +118,53 @@ def _group_quant_kernel(
     FP8_MAX_: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
+    ONE_PASS_GROUP: tl.constexpr,
     HW: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per (row, group): amax over the group, then quantize it. A per-token quant is
-    the case of one group per row; a group longer than BLOCK is walked in BLOCK chunks."""
+    """ONE_PASS_GROUP > 0: one program per row, loaded once into a BLOCK tile and quantized per
+    ONE_PASS_GROUP-wide group from registers (BLOCK: one group per row = per token). 0: one
+    program per (row, group), which reads its group twice (amax, then quantization), in BLOCK
+    chunks."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)
-    start = group * group_len
-    end = tl.minimum(start + group_len, row_len)
     x_row = x_ptr + row * x_row_stride
     q_row = q_ptr + row * row_len
     offsets = tl.arange(0, BLOCK)
 
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for chunk in range(start, end, BLOCK):
-        cols = chunk + offsets
-        x = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_), MIN_SCALE)
-    tl.store(scale_ptr + row * groups_per_row + group, scale)
+    if ONE_PASS_GROUP > 0:
+        mask = offsets < row_len
+        x = tl.load(x_row + offsets, mask=mask, other=0.0).to(tl.float32)
+        _store_groups(
+            x,
+            q_row,
+            scale_ptr + row * groups_per_row,
+            offsets,
+            mask,
+            groups_per_row,
+            FP8_MAX_,
+            MIN_SCALE,
+            BLOCK,
+            ONE_PASS_GROUP,
+            HW,
+        )
+    else:
+        group = tl.program_id(1)
+        start = group * group_len
+        end = tl.minimum(start + group_len, row_len)
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for chunk in range(start, end, BLOCK):
+            cols = chunk + offsets
+            x = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_), MIN_SCALE)
+        tl.store(scale_ptr + row * groups_per_row + group, scale)
 
-    for chunk in range(start, end, BLOCK):
-        cols = chunk + offsets
-        x = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
-        q = _quantize_to_fp8(x, scale, FP8_MAX_, HW)
-        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < end)
+        for chunk in range(start, end, BLOCK):
+            cols = chunk + offsets
+            x = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
+            q = _quantize_to_fp8(x, scale, FP8_MAX_, HW)
+            tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < end)
 
 
 @triton.jit
@@ -146,6 +201,18 @@ def _block_for(length: int) -> int:
     return min(triton.next_power_of_2(max(length, 16)), MAX_BLOCK)
 
 
+def _one_pass_group(row_len: int, group_len: int, block: int) -> int:
+    """ONE_PASS_GROUP of the group quant and fused quant kernels: the group width of the one-pass body over a
+    `block`-wide tile (0: the chunked body). The row must fit the tile and ONE_PASS_MAX, and
+    several groups per row must be a power of two wide to split the tile evenly; one group per
+    row spans the tile."""
+    if block > ONE_PASS_MAX or row_len > block:
+        return 0
+    if group_len >= row_len:
+        return block
+    return group_len if group_len & (group_len - 1) == 0 else 0
+
+
 def _num_warps(block: int) -> int:
     return 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
 
@@ -163,8 +230,11 @@ def per_token_group_quant(
     scales = torch.empty((*x.shape[:-1], groups_per_row), dtype=torch.float32, device=x.device)
     if num_rows == 0:
         return q, scales
-    block = _block_for(group_len)
-    _group_quant_kernel[(num_rows, groups_per_row)](
+    row_block = triton.next_power_of_2(max(row_len, 16))
+    one_pass_group = _one_pass_group(row_len, group_len, row_block)
+    block = row_block if one_pass_group else _block_for(group_len)
+    grid = (num_rows, 1) if one_pass_group else (num_rows, groups_per_row)
+    _group_quant_kernel[grid](
         rows,
         q,
         scales,
@@ -175,6 +245,7 @@ def per_token_group_quant(
         FP8_MAX_=FP8_MAX,
         MIN_SCALE=FP8_MIN_SCALE,
         BLOCK=block,
+        ONE_PASS_GROUP=one_pass_group,
         HW=not interpreting(),
         num_warps=_num_warps(block),
         **launch_options(x.device),
