@@ -283,11 +283,12 @@ def _silu_and_mul_quant_kernel(
 
 def _launch(block: int) -> dict[str, int]:
     """Warps (and a register cap) per program. The widest one-pass tiles (a 14336-wide SiLU row in
-    16384) take 16 warps capped at 64 registers a thread, so an SM holds two programs and one
-    row's loads overlap another's arithmetic: 87 us at 4k tokens on the H200, against 103 with
-    32 warps (one program an SM) and 110 with 16 uncapped (Triton 3.6 then exceeds 64);
-    `benchmarks/sweep_fused_quant.py`. Else the quant kernels' choice (the 4096-wide norm row:
-    35-36 us with 8 or 16 warps, capped or not)."""
+    16384) take 16 warps capped at 64 registers a thread, so that an SM holds two programs and
+    one row's loads overlap another's arithmetic. At 4k tokens on the H200
+    (`benchmarks/sweep_fused_quant.py`, CUDA-graph replays) that is 79-81 us; 32 warps (one
+    program an SM) take 92-95, and 8 or 16 uncapped warps 73-89 depending on the grouping and the
+    run, no single one better in both. Else the quant kernels' choice (the 4096-wide norm row:
+    30-31 us with 8 or 16 warps, capped or not)."""
     if block >= 16384:
         return {"num_warps": 16, "maxnreg": 64}
     return {"num_warps": _num_warps(block)}
