@@ -37,29 +37,33 @@ def gpu_kernel_ms(prof: profile) -> float:
     return sum(e.device_time for e in events) / 1e3
 
 
-def _kernel_totals(prof: profile) -> dict[str, tuple[float, int]]:
-    """Device microseconds and launches per kernel name."""
+def _device_events(prof: profile) -> list:
+    """The trace's kernels and copies, in the order they started on the GPU."""
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(events, key=lambda e: e.time_range.start)
+
+
+def decode_kernels_per_step(prof: profile, steps: int) -> str:
+    """Per decode step: each kernel's device time and launches over the trace's last `steps`
+    steps, largest first. Every step ends with its greedy sampling's argmax kernel, so the
+    kernels after the first argmax (the prefill step's) and up to the last are the decode
+    steps'. (Subtracting a separate prefill-only trace instead failed for long prompts: at 64
+    x 1k tokens the prefill's run-to-run spread, ~12 ms, swamped a few decode steps.)"""
+    events = _device_events(prof)
+    ends = [i for i, e in enumerate(events) if "ArgMax" in e.name]
+    if len(ends) != steps + 1:
+        raise SystemExit(
+            f"expected one argmax kernel per step ({steps + 1}), found {len(ends)}: "
+            "the trace cannot be cut into steps"
+        )
     totals: dict[str, tuple[float, int]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            us, calls = totals.get(event.name, (0.0, 0))
-            totals[event.name] = (us + event.device_time, calls + 1)
-    return totals
-
-
-def decode_kernels_per_step(prof: profile, prefill_prof: profile, steps: int) -> str:
-    """Per decode step: each kernel's device time and launches, the prefill-only trace's
-    subtracted from the prefill + `steps` decode steps trace, largest first. Exact because the
-    engine is built so that a batch's prompts prefill in one step (main): chunked prompts would
-    overlap the first requests' decode steps, and such mixed steps do not subtract."""
-    full, prefill = _kernel_totals(prof), _kernel_totals(prefill_prof)
-    rows = []
-    for name, (us, calls) in full.items():
-        base_us, base_calls = prefill.get(name, (0.0, 0))
-        rows.append(((us - base_us) / steps, (calls - base_calls) / steps, name))
-    rows.sort(reverse=True)
+    for event in events[ends[0] + 1 : ends[-1] + 1]:
+        us, calls = totals.get(event.name, (0.0, 0))
+        totals[event.name] = (us + event.device_time, calls + 1)
+    rows = sorted(((us / steps, calls / steps, name) for name, (us, calls) in totals.items()),
+                  reverse=True)  # fmt: skip
     total = sum(r[0] for r in rows)
-    lines = [f"decode step: {total:.1f} us of kernels per step (prefill-only trace subtracted)"]
+    lines = [f"decode step: {total:.1f} us of kernels per step (the trace cut at the argmaxes)"]
     lines += [f"{us:9.1f} us {calls:7.1f} x  {name[:90]}" for us, calls, name in rows[:30]]
     return "\n".join(lines)
 
@@ -71,15 +75,13 @@ def profile_batch(llm: LLM, batch: int, args, vocab: int, out_dir: Path) -> None
     long = timed_generate(llm, random_prompts(batch, args.input_len, vocab, 3), 1 + steps)
     wall_ms = (long - short) / steps * 1e3
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prefill_prof:
-        timed_generate(llm, random_prompts(batch, args.input_len, vocab, 6), 1)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         timed_generate(llm, random_prompts(batch, args.input_len, vocab, 4), 1 + steps)
-    # The trace holds one prefill step too: the per-step table subtracts a prefill-only trace.
+    # The trace holds the prefill step too: the per-step table cuts it off.
     table = prof.key_averages().table(
         sort_by="self_device_time_total", row_limit=30, max_name_column_width=70
     )
-    per_step = decode_kernels_per_step(prof, prefill_prof, steps)
+    per_step = decode_kernels_per_step(prof, steps)
     (out_dir / f"kernels_b{batch}.txt").write_text(per_step + "\n\n" + table)
     if args.trace:
         prof.export_chrome_trace(str(out_dir / f"trace_b{batch}.json"))
@@ -144,8 +146,8 @@ def main() -> None:
         dtype="bfloat16",
         quantization=args.quantization,
         max_model_len=max_len,
-        # Every batch's prompts prefill in one step, so that step is all the prefill-only trace
-        # holds and the per-decode-step table subtracts it exactly.
+        # Every batch's prompts prefill in one step (one argmax), so the per-decode-step table
+        # can cut the trace after it: chunked prompts would overlap the first decode steps.
         max_num_batched_tokens=max(max_len, 8192, max(batch_sizes) * args.input_len),
         max_num_seqs=max(batch_sizes),
         enable_prefix_caching=False,
