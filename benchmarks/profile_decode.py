@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_utils import ModelShape, model_dir
-from latency import random_prompts, timed_generate
+from latency import decode_ms_per_step, random_prompts, timed_generate
 
 from v1_engine import LLM
 
@@ -70,10 +70,7 @@ def decode_kernels_per_step(prof: profile, steps: int) -> str:
 
 def profile_batch(llm: LLM, batch: int, args, vocab: int, out_dir: Path) -> None:
     steps = args.steps
-    timed_generate(llm, random_prompts(batch, args.input_len, vocab, 1), 8)  # warm-up
-    short = timed_generate(llm, random_prompts(batch, args.input_len, vocab, 2), 1)
-    long = timed_generate(llm, random_prompts(batch, args.input_len, vocab, 3), 1 + steps)
-    wall_ms = (long - short) / steps * 1e3
+    wall_ms = decode_ms_per_step(llm, batch, args.input_len, steps, vocab, repeats=1)  # warms up
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         timed_generate(llm, random_prompts(batch, args.input_len, vocab, 4), 1 + steps)
