@@ -19,6 +19,7 @@ then each shape gets a time budget, most promising configs first.
     python benchmarks/sweep_skinny_gemm.py --seconds 20
     python benchmarks/sweep_skinny_gemm.py --fp8 channel --shapes qkv,o_proj,gate_up,down
     python benchmarks/sweep_skinny_gemm.py --m 32,64 --seconds 10
+    python benchmarks/sweep_skinny_gemm.py --m 32,64 --split-k 2,4,8 --shapes qkv,o_proj,down
 """
 
 from __future__ import annotations
@@ -123,6 +124,22 @@ def fma_configs(kind: str) -> list[dict]:
                     "num_stages": stages,
                 }
             )
+    return configs
+
+
+def split_configs(kind: str, splits: list[int]) -> list[dict]:
+    """Split-K launches (bf16 only): the 64-wide dot configs, also at 128 columns, each split
+    `splits` ways. Wider tiles re-read x from L2 fewer times; the split keeps their programs many."""
+    if kind != "bf16" or not splits:
+        return []
+    configs = []
+    for launch in dot_configs(kind):
+        if launch["block_n"] != 64:
+            continue
+        for block_n, split in itertools.product((64, 128), splits):
+            config = launch | {"block_n": block_n, "split_k": split}
+            if smem_bytes(kind, config, 1) <= SMEM_BYTES:
+                configs.append(config)
     return configs
 
 
@@ -330,6 +347,12 @@ def main() -> None:
     )
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument(
+        "--split-k",
+        default="",
+        help="bf16: also sweep split-K launches, split this many ways (e.g. 2,4,8), one split "
+        "config after each unsplit one",
+    )
+    parser.add_argument(
         "--fp8",
         choices=("channel", "block"),
         default=None,
@@ -355,6 +378,9 @@ def main() -> None:
     kind_modes = triton_gemv.MODES if kind == "bf16" else fp8_skinny.FP8_MODES
     modes = set(args.modes.split(",")) if args.modes else set(kind_modes)
     configs = interleave(dot_configs(kind), fma_configs(kind))
+    splits = split_configs(kind, [int(s) for s in args.split_k.split(",") if s])
+    if splits:
+        configs = [c for pair in itertools.zip_longest(configs, splits) for c in pair if c]
     configs = [c for c in configs if c["mode"] in modes]
     torch.manual_seed(0)
     begin = time.perf_counter()

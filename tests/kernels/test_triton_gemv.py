@@ -101,6 +101,27 @@ def test_kernel_matches_reference_interpreted(mode, m, dtype, with_bias):
 
 
 @interpreter_only
+@pytest.mark.parametrize(("mode", "m"), mode_and_m(1, 3, 64))
+@pytest.mark.parametrize("split", [2, 3])
+def test_split_k_matches_reference_and_resets_its_semaphores_interpreted(mode, m, split):
+    """K = 200 is 7 steps of 32: split 2 gives slices of 4 + 3 steps, split 3 slices of 3 + 3 +
+    1 (the last masked). The last program of each tile sums the partials and resets its
+    semaphore, so a second launch (other operands, same tiles) is right too."""
+    n, k = 40, 200
+    block_n = 8 if mode == "fma" else 16
+    launch = {"mode": mode, "block_n": block_n, "block_k": 32, "num_warps": 4, "num_stages": 2}
+    for seed in (1, 4):
+        x = strided_rows(m, k, torch.float32, seed)
+        w, bias = values((n, k), torch.float32, seed + 1), values((n,), torch.float32, seed + 2)
+        out = triton_gemv.skinny_gemm(x, w, bias, split_k=split, **launch)
+        assert_matches(out, reference(x, w, bias), k)
+        # Deterministic: the partials are summed in slice order, whichever program is last.
+        assert torch.equal(out, triton_gemv.skinny_gemm(x, w, bias, split_k=split, **launch))
+        assert not triton_gemv._ARRIVALS[x.device].any()
+    assert triton_gemv.k_per_split(k, launch | {"split_k": split}) == (128 if split == 2 else 96)
+
+
+@interpreter_only
 def test_default_launch_masks_a_short_k_interpreted():
     # The default config (BLOCK_K 256) over K = 72: one masked step; fp16, M in the 8 bucket.
     x, w, bias = values((5, 72), torch.float16, 4), values((24, 72), torch.float16, 5), None
@@ -169,10 +190,12 @@ def test_launch_table_and_overrides(monkeypatch):
     assert buckets == [1, 2, 4, 8, 8, 16, 16, 32, 64, 64]
     tuned = {"mode": "dot_swap", "block_n": 32, "block_k": 128, "num_warps": 8, "num_stages": 5}
     monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (4, 1024, 1024), tuned)
-    assert triton_gemv.launch_config(3, 1024, 1024) == tuned  # M = 3 is in the 4 bucket
+    # M = 3 is in the 4 bucket; an entry without split_k is not split.
+    assert triton_gemv.launch_config(3, 1024, 1024) == tuned | {"split_k": 1}
     assert triton_gemv.launch_config(5, 1024, 1024) == triton_gemv.default_launch(5, 1024, 1024)
     resolved = triton_gemv.resolve_launch(3, 1024, 1024, {"num_stages": 2})
-    assert resolved == tuned | {"num_stages": 2}
+    assert resolved == tuned | {"num_stages": 2, "split_k": 1}
+    assert triton_gemv.resolve_launch(3, 1024, 1024, {"split_k": 8})["split_k"] == 8
     for bad in (
         {"block_m": 16},
         {"mode": "split_k"},
@@ -180,6 +203,8 @@ def test_launch_table_and_overrides(monkeypatch):
         {"block_k": 48},
         {"num_warps": 3},
         {"num_stages": 0},
+        {"split_k": 0},
+        {"split_k": 9},  # K = 1024 is 8 steps of block_k 128
     ):
         with pytest.raises(ValueError, match=next(iter(bad)) if "block_m" not in bad else "key"):
             triton_gemv.resolve_launch(3, 1024, 1024, bad)
@@ -272,6 +297,23 @@ def test_every_mode_on_device_gpu(mode, m, dtype):
     launch = {"mode": mode, "block_n": 16 if mode == "fma" else 32, "block_k": 128}
     out = triton_gemv.skinny_gemm(x, w, bias, num_warps=4, num_stages=3, **launch)
     assert_matches(out, reference(x, w, bias), k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("mode", "m"), [("dot", 64), ("dot_swap", 32), ("dot_swap", 1)])
+@pytest.mark.parametrize("split", [2, 4, 7])
+def test_split_k_on_device_gpu(mode, m, split):
+    """Split launches on the device, where the slices' programs really race to the semaphore:
+    the result, its determinism over repeated launches, and the semaphores left at zero."""
+    n, k = 4096, 14336  # Llama-3-8B down_proj
+    x = strided_rows(m, k, torch.bfloat16, 6).cuda()
+    w = (values((n, k), torch.bfloat16, 7) * 0.02).cuda()
+    launch = {"mode": mode, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}
+    out = triton_gemv.skinny_gemm(x, w, split_k=split, **launch)
+    assert_matches(out, reference(x, w, None), k)
+    for _ in range(3):
+        assert torch.equal(triton_gemv.skinny_gemm(x, w, split_k=split, **launch), out)
+    assert not triton_gemv._ARRIVALS[x.device].any()
 
 
 @pytest.mark.gpu

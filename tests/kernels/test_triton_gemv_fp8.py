@@ -300,7 +300,7 @@ def test_launch_table_and_overrides(monkeypatch):
         "block", 9, 1024, 2048
     )
     resolved = skinny.resolve_fp8_launch("channel", 3, 1024, 2048, {"num_stages": 2})
-    assert resolved == tuned | {"num_stages": 2}
+    assert resolved == tuned | {"num_stages": 2, "split_k": 1}
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", False)
     assert not skinny.prefers_fp8_skinny("channel", 3, 1024, 2048)
     for kind, bad, match in (
@@ -313,6 +313,7 @@ def test_launch_table_and_overrides(monkeypatch):
         ("block", {"block_k": 256}, "block_k must be 128"),
         ("block", {"block_n": 256}, "block_n must be <= 128"),
         ("block", {"num_warps": 3}, "num_warps"),
+        ("channel", {"split_k": 2}, "split_k must be 1 for the FP8 kernels"),  # bf16 only
     ):
         with pytest.raises(ValueError, match=match):
             skinny.resolve_fp8_launch(kind, 3, 1024, 2048, bad)

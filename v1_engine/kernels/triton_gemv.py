@@ -3,8 +3,16 @@
 At decode sizes a linear layer only streams its weight from HBM; the matmul itself is free. The
 vendor GEMM reads small weights well below bandwidth there and splits K on some shapes (two extra
 kernels per linear: a copy and a reduction). Here each linear is one kernel: the grid runs over
-BLOCK_N-row tiles of W and each program walks the whole of K with pipelined loads (no split-K, no
-atomics, so results are deterministic), accumulating in float32 and storing in x's dtype.
+BLOCK_N-row tiles of W and each program walks the whole of K with pipelined loads, accumulating in
+float32 and storing in x's dtype.
+
+`split_k` > 1 (a launch key; 1 unless a launch asks) splits K into that many slices, one program
+each: every program stores its float32 partial tile to a workspace and counts itself in on a
+per-tile semaphore, and the last to arrive sums the partials in slice order (so results stay
+deterministic), stores the tile and resets the semaphore for the next launch, still in one
+kernel. It is meant for M = 32..64, where each column tile re-reads all of x from L2: wider tiles
+read it fewer times, and the split keeps their number of programs up. TUNED_LAUNCH holds no
+split entry until the sweep has measured one.
 
 Three bodies, picked by the launch config's `mode` (the sweep compares them):
 
@@ -49,7 +57,7 @@ SKINNY_GEMM_ENABLED = os.environ.get("V1ENGINE_SKINNY_GEMM", "1") != "0"
 """V1ENGINE_SKINNY_GEMM=0 keeps the unquantized linear layers on F.linear everywhere."""
 
 MODES = ("dot", "dot_swap", "fma")
-LAUNCH_KEYS = ("mode", "block_n", "block_k", "num_warps", "num_stages")
+LAUNCH_KEYS = ("mode", "block_n", "block_k", "num_warps", "num_stages", "split_k")
 _MODE_IDS = {name: index for index, name in enumerate(MODES)}
 _DOT_ROWS = 16
 """tl.dot needs every dimension >= 16: the dot bodies pad x's rows to at least this."""
@@ -282,9 +290,12 @@ def _skinny_gemm_kernel(
     w_ptr,
     bias_ptr,
     out_ptr,
+    partial_ptr,
+    arrivals_ptr,
     M,
     N,
     K,
+    k_per_split,
     stride_xm,
     stride_wn,
     stride_om,
@@ -295,17 +306,22 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per BLOCK_N output columns, looping over all of K (MODE: see the module)."""
+    """Program (n, s): BLOCK_N output columns over the s-th k_per_split-wide slice of K (all of K
+    when SPLIT_K is 1; MODE and the split: see the module)."""
     pdl_wait(PDL)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile = tl.program_id(0)
+    k_start = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
     if MODE == 0:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     elif MODE == 1:
@@ -313,8 +329,8 @@ def _skinny_gemm_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     # An explicit num_stages on the loop pipelines the loads even where no tl.dot consumes them.
-    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k_mask = offs_k[None, :] < K - k
+    for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        k_mask = offs_k[None, :] < k_end - k
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_last")
         if DOT_F32:
@@ -335,10 +351,36 @@ def _skinny_gemm_kernel(
         result = tl.trans(acc)
     else:
         result = tl.sum(acc, axis=2)
+    tile_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        # partial [SPLIT_K, M, N] float32. The barrier orders every thread's partial stores
+        # before the one thread's atomic, whose release (acq_rel) publishes them; its acquire
+        # in the last program makes the other slices' visible there (read past L1: .cg).
+        tile_offsets = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        slice_size = M.to(tl.int64) * N
+        tl.store(partial_ptr + tl.program_id(1) * slice_size + tile_offsets, result, mask=tile_mask)
+        tl.debug_barrier()
+        if tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+            result = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                part = partial_ptr + s * slice_size + tile_offsets
+                result += tl.load(part, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            _store_tile(result, bias_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask,
+                        stride_om, HAS_BIAS)  # fmt: skip
+            tl.atomic_xchg(arrivals_ptr + tile, 0)
+    else:
+        _store_tile(result, bias_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om,
+                    HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _store_tile(result, bias_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om,
+                HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The float32 tile (+ bias) stored in out's dtype."""
     if HAS_BIAS:
         result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
 def m_bucket(m: int) -> int:
@@ -362,12 +404,20 @@ def default_launch(m: int, n: int, k: int) -> dict[str, int | str]:
         block_n = 32
     else:
         block_n = 16
-    return {"mode": "dot", "block_n": block_n, "block_k": 256, "num_warps": 4, "num_stages": 4}
+    return {
+        "mode": "dot",
+        "block_n": block_n,
+        "block_k": 256,
+        "num_warps": 4,
+        "num_stages": 4,
+        "split_k": 1,
+    }
 
 
 def launch_config(m: int, n: int, k: int) -> dict[str, int | str]:
-    """The launch config of an M x N x K skinny GEMM: TUNED_LAUNCH's entry, else the default."""
-    return dict(TUNED_LAUNCH.get((m_bucket(m), n, k)) or default_launch(m, n, k))
+    """The launch config of an M x N x K skinny GEMM: TUNED_LAUNCH's entry (split_k 1 unless it
+    says), else the default."""
+    return {"split_k": 1} | (TUNED_LAUNCH.get((m_bucket(m), n, k)) or default_launch(m, n, k))
 
 
 def prefers_skinny(m: int, n: int, k: int) -> bool:
@@ -405,7 +455,41 @@ def resolve_launch(m: int, n: int, k: int, launch: dict[str, int | str]) -> dict
         raise ValueError(f"launch num_warps must be a power of two, got {config['num_warps']!r}")
     if not isinstance(config["num_stages"], int) or config["num_stages"] < 1:
         raise ValueError(f"launch num_stages must be an integer >= 1, got {config['num_stages']!r}")
+    k_steps = -(-k // config["block_k"])
+    split = config["split_k"]
+    if not isinstance(split, int) or not 1 <= split <= k_steps:
+        raise ValueError(
+            f"launch split_k must be an integer in 1..{k_steps} (K = {k} in block_k "
+            f"{config['block_k']} steps), got {split!r}"
+        )
     return config
+
+
+def k_per_split(k: int, config: dict) -> int:
+    """The K slice each program of a split launch walks: whole block_k steps, the last slice
+    taking what remains."""
+    k_steps = -(-k // config["block_k"])
+    return -(-k_steps // config["split_k"]) * config["block_k"]
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+"""Per device: the split launches' per-tile semaphores, zero between launches (the last program
+of a tile resets its own)."""
+
+
+def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least `tiles` zeroed semaphores on `device`, allocated (or grown) outside CUDA graph
+    capture: a capture may only reuse them (the engine's warm-up runs every shape eagerly first)."""
+    arrivals = _ARRIVALS.get(device)
+    if arrivals is None or arrivals.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "a split-K skinny GEMM was first launched during CUDA graph capture: run the "
+                "shape once eagerly first, so its semaphores exist outside the graph"
+            )
+        arrivals = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _ARRIVALS[device] = arrivals
+    return arrivals
 
 
 def _constexprs(
@@ -421,6 +505,7 @@ def _constexprs(
         "BLOCK_N": config["block_n"],
         "BLOCK_K": config["block_k"],
         "NUM_STAGES": config["num_stages"],
+        "SPLIT_K": config["split_k"],
         "num_warps": config["num_warps"],
         "num_stages": config["num_stages"],
     } | launch_options(device)
@@ -437,7 +522,7 @@ def skinny_gemm(
 
     x's last dim and weight must be contiguous (x's rows may be strided); any M works but the
     kernel is meant for M <= SKINNY_MAX_M. `launch` overrides keys of `launch_config` (mode,
-    block_n, block_k, num_warps, num_stages) for tuning.
+    block_n, block_k, num_warps, num_stages, split_k) for tuning.
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -445,14 +530,23 @@ def skinny_gemm(
     config = resolve_launch(m, n, k, launch)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _skinny_gemm_kernel[(triton.cdiv(n, config["block_n"]),)](
+    tiles, split = triton.cdiv(n, config["block_n"]), config["split_k"]
+    if split > 1:
+        partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        arrivals = _arrivals(x.device, tiles)
+    else:
+        partials, arrivals = out, out  # unused
+    _skinny_gemm_kernel[(tiles, split)](
         x,
         weight,
         bias if bias is not None else weight,
         out,
+        partials,
+        arrivals,
         m,
         n,
         k,
+        k_per_split(k, config),
         x.stride(0),
         weight.stride(0),
         out.stride(0),
@@ -466,14 +560,18 @@ def precompile(dtype: torch.dtype, m: int, n: int, k: int, **launch: int | str) 
     16-byte aligned operands of this shape, without launching it: lets a tuning sweep compile
     its configurations in parallel processes."""
     config = resolve_launch(m, n, k, launch)
+    split = config["split_k"] > 1
     _skinny_gemm_kernel.warmup(
         dtype,
         dtype,
         dtype,
         dtype,
+        torch.float32 if split else dtype,
+        torch.int32 if split else dtype,
         m,
         n,
         k,
+        k_per_split(k, config),
         k,
         k,
         n,

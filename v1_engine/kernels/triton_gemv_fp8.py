@@ -263,6 +263,8 @@ def resolve_fp8_launch(
     config = fp8_launch_config(kind, m, n, k) | launch
     # A complete config overrides every key of triton_gemv's own default, so this only checks.
     config = triton_gemv.resolve_launch(m, n, k, config)
+    if config["split_k"] != 1:
+        raise ValueError(f"launch split_k must be 1 for the FP8 kernels, got {config['split_k']!r}")
     if config["mode"] not in FP8_MODES:
         raise ValueError(
             f"launch mode must be one of {FP8_MODES} for the FP8 kernels, got {config['mode']!r}"
