@@ -121,6 +121,19 @@ def test_split_k_matches_reference_and_resets_its_semaphores_interpreted(mode, m
     assert triton_gemv.k_per_split(k, launch | {"split_k": split}) == (128 if split == 2 else 96)
 
 
+def test_split_k_compiles_for_sm90(run_compile_probe):
+    """The split launches compile for the GPU (the interpreter accepts more): without spills, the
+    slice's arrival an acq_rel atomic after a barrier over the program's partial stores, the
+    semaphore reset by an exchange, the partials read past L1; an unsplit launch has none of it."""
+    cases = run_compile_probe("skinny_split_probe.py")
+    for name, info in cases.items():
+        split = info["split"] > 1
+        assert info["stack"] == 0, (name, info)
+        assert (info["acq_rel_adds"], info["exchanges"]) == ((1, 1) if split else (0, 0)), name
+        assert info["barrier_before_atomic"] == split, name
+        assert (info["partials_read_past_l1"] > 0) == split, name
+
+
 @interpreter_only
 def test_default_launch_masks_a_short_k_interpreted():
     # The default config (BLOCK_K 256) over K = 72: one masked step; fp16, M in the 8 bucket.
