@@ -211,34 +211,37 @@ def test_references_divide_exactly_on_gpu() -> None:
 
 
 @triton.jit
-def _division_mismatch_kernel(counts_ptr, BLOCK: tl.constexpr):
+def _division_mismatch_kernel(counts_ptr, scale_start, BLOCK: tl.constexpr, BYTES: tl.constexpr):
     """Program (y, j): y = +-(1 + m / 128) for the bf16 mantissa m = program_id(0) // 2, against
-    the BLOCK scale mantissas from j * BLOCK, every scale in [1, 2). Counts: [0] fp32 quotients
-    of `_quantize_to_fp8`'s GPU sequence that differ from `div_rn`'s; [1] e4m3 bytes that differ
-    from the interpreter path's (div_rn, clamp, bit rounding) with y scaled by 2^-12 .. 2^8, so
-    the quotients cover e4m3's subnormals, normals and saturation; [2] the same for the bf16
-    subnormal y with that mantissa."""
+    the BLOCK scale mantissas from scale_start + j * BLOCK, every scale in [1, 2). Counts: [0]
+    fp32 quotients of `_quantize_to_fp8`'s GPU sequence that differ from `div_rn`'s. BYTES (the
+    GPU's casts only): [1] e4m3 bytes that differ from the interpreter path's (div_rn, clamp, bit
+    rounding) with y scaled by 2^-12 .. 2^8, so the quotients cover e4m3's subnormals, normals
+    and saturation; [2] the same for the bf16 subnormal y with that mantissa."""
     pid = tl.program_id(0)
     sign = (pid % 2) << 31
     y_bits = sign | (127 << 23) | ((pid // 2) << 16)
-    s_bits = (127 << 23) | (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))
+    s_bits = (127 << 23) | (scale_start + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK))
     s = s_bits.to(tl.float32, bitcast=True)
     y = (tl.zeros([BLOCK], tl.int32) + y_bits).to(tl.float32, bitcast=True)
     fast = _quantize_to_fp8(y, s, 448.0, True)
     exact = tl.math.div_rn(y, s)
     bad = fast.to(tl.int32, bitcast=True) != exact.to(tl.int32, bitcast=True)
     tl.atomic_add(counts_ptr, tl.sum(bad.to(tl.int32), axis=0))
-    bad_bytes = tl.zeros([BLOCK], tl.int32)
-    for shift in tl.static_range(-12, 9):
-        ys = y * (2.0**shift)
-        hw = _quantize_to_fp8(ys, s, 448.0, True).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        ref = _quantize_to_fp8(ys, s, 448.0, False).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        bad_bytes += (hw != ref).to(tl.int32)
-    tl.atomic_add(counts_ptr + 1, tl.sum(bad_bytes, axis=0))
-    tiny = (tl.zeros([BLOCK], tl.int32) + (sign | ((pid // 2) << 16))).to(tl.float32, bitcast=True)
-    hw = _quantize_to_fp8(tiny, s, 448.0, True).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    ref = _quantize_to_fp8(tiny, s, 448.0, False).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    tl.atomic_add(counts_ptr + 2, tl.sum((hw != ref).to(tl.int32), axis=0))
+    if BYTES:
+        bad_bytes = tl.zeros([BLOCK], tl.int32)
+        for shift in tl.static_range(-12, 9):
+            ys = y * (2.0**shift)
+            hw = _quantize_to_fp8(ys, s, 448.0, True).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            ref = _quantize_to_fp8(ys, s, 448.0, False).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            bad_bytes += (hw != ref).to(tl.int32)
+        tl.atomic_add(counts_ptr + 1, tl.sum(bad_bytes, axis=0))
+        tiny = (tl.zeros([BLOCK], tl.int32) + (sign | ((pid // 2) << 16))).to(
+            tl.float32, bitcast=True
+        )
+        hw = _quantize_to_fp8(tiny, s, 448.0, True).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        ref = _quantize_to_fp8(tiny, s, 448.0, False).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        tl.atomic_add(counts_ptr + 2, tl.sum((hw != ref).to(tl.int32), axis=0))
 
 
 @pytest.mark.gpu
@@ -250,7 +253,17 @@ def test_quant_division_equals_div_rn_for_every_mantissa_gpu() -> None:
     interpreter path's over the exponents the quant meets."""
     block = 1024
     counts = torch.zeros(3, dtype=torch.int32, device="cuda")
-    _division_mismatch_kernel[(256, (1 << 23) // block)](counts, BLOCK=block)
+    _division_mismatch_kernel[(256, (1 << 23) // block)](counts, 0, BLOCK=block, BYTES=True)
+    assert counts.tolist() == [0, 0, 0]
+
+
+@interpreter_only
+def test_quant_division_equals_div_rn_interpreted() -> None:
+    """The same check of the quotients on the CPU (the interpreter's fma rounds once, like the
+    GPU's), over every bf16 mantissa and the lowest and highest 1024 scale mantissas."""
+    counts = torch.zeros(3, dtype=torch.int32)
+    for start in (0, (1 << 23) - 1024):
+        _division_mismatch_kernel[(256, 1)](counts, start, BLOCK=1024, BYTES=False)
     assert counts.tolist() == [0, 0, 0]
 
 

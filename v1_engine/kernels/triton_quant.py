@@ -68,8 +68,8 @@ def _quantize_to_fp8(y, scale, FP8_MAX_: tl.constexpr, HW: tl.constexpr):
     (cvt.rn.satfinite: nearest even, saturating at +-448). test_fp8_quant.py checks every bf16
     mantissa against every fp32 scale mantissa on the GPU, bit for bit.
 
-    Not HW (the interpreter, whose fp8 cast truncates and whose fma rounds twice): `div_rn`,
-    the clamp and `_round_to_e4m3`, after which the cast is exact."""
+    Not HW (the interpreter, whose fp8 cast truncates): `div_rn`, the clamp and
+    `_round_to_e4m3`, after which the cast is exact."""
     if HW:
         r = tl.math.div_rn(1.0, scale)
         q0 = y * r
