@@ -218,6 +218,7 @@ def test_launch_table_and_overrides(monkeypatch):
         {"num_stages": 0},
         {"split_k": 0},
         {"split_k": 9},  # K = 1024 is 8 steps of block_k 128
+        {"split_k": 7},  # 2 steps a slice fill only 4 slices: the rest would be empty
     ):
         with pytest.raises(ValueError, match=next(iter(bad)) if "block_m" not in bad else "key"):
             triton_gemv.resolve_launch(3, 1024, 1024, bad)

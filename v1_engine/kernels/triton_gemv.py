@@ -462,6 +462,12 @@ def resolve_launch(m: int, n: int, k: int, launch: dict[str, int | str]) -> dict
             f"launch split_k must be an integer in 1..{k_steps} (K = {k} in block_k "
             f"{config['block_k']} steps), got {split!r}"
         )
+    per_slice = -(-k_steps // split)
+    if -(-k_steps // per_slice) != split:
+        raise ValueError(
+            f"launch split_k {split} would leave a slice empty: {k_steps} block_k steps split "
+            f"{per_slice} a slice fill only {-(-k_steps // per_slice)} slices"
+        )
     return config
 
 
