@@ -480,7 +480,8 @@ def k_per_split(k: int, config: dict) -> int:
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 """Per device: the split launches' per-tile semaphores, zero between launches (the last program
-of a tile resets its own)."""
+of a tile resets its own). Shared by every split launch on the device, so such launches must not
+run concurrently on two streams (the engine runs its forward on one)."""
 
 
 def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
