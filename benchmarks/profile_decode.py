@@ -31,16 +31,15 @@ from latency import decode_ms_per_step, random_prompts, timed_generate
 from v1_engine import LLM
 
 
-def gpu_kernel_ms(prof: profile) -> float:
-    """Total device time of the kernels (and copies) the profiler saw, in ms."""
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.device_time for e in events) / 1e3
-
-
 def _device_events(prof: profile) -> list:
     """The trace's kernels and copies, in the order they started on the GPU."""
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return sorted(events, key=lambda e: e.time_range.start)
+
+
+def gpu_kernel_ms(prof: profile) -> float:
+    """Total device time of the kernels (and copies) the profiler saw, in ms."""
+    return sum(e.device_time for e in _device_events(prof)) / 1e3
 
 
 def decode_kernels_per_step(prof: profile, steps: int) -> str:

@@ -344,7 +344,7 @@ def test_triton_chunked_bodies_match_refs_interpreted(monkeypatch, shape, group_
     """Rows and groups longer than ONE_PASS_MAX take the chunked bodies (the norm's three
     passes, SiLU's two): same results as the one-pass bodies the other tests run."""
     monkeypatch.setattr(triton_quant, "ONE_PASS_MAX", 16)
-    assert triton_fused_quant._one_pass_group(shape[-1], group_size or shape[-1], 512) == 0
+    assert triton_quant._one_pass_group(shape[-1], group_size or shape[-1], 512) == 0
     x, residual = activations(shape, torch.bfloat16, 16), activations(shape, torch.bfloat16, 17)
     weight = norm_weight(shape[-1], torch.bfloat16, 18)
     check_norm_kernels(x, residual, weight, group_size, min_exact=1.0, exact_scales=True)
@@ -355,7 +355,7 @@ def test_triton_chunked_bodies_match_refs_interpreted(monkeypatch, shape, group_
 def test_one_pass_group_covers_model_widths():
     """The norm's one-pass body takes Llama-3-8B/70B and DeepSeek-V3 rows, per token and in
     128-groups; a row wider than its tile or non-power-of-two groups take the chunked body."""
-    one_pass = triton_fused_quant._one_pass_group
+    one_pass = triton_quant._one_pass_group
     assert one_pass(4096, 4096, 4096) == 4096
     assert one_pass(4096, 128, 4096) == 128
     assert one_pass(7168, 128, 8192) == 128

@@ -29,15 +29,15 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels import interpreting
-from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from v1_engine.kernels.fp8 import FP8_MAX, FP8_MIN_SCALE
 from v1_engine.kernels.pdl import launch_options, pdl_enter
 from v1_engine.kernels.triton_quant import (
     _as_rows,
-    _block_for,
     _num_warps,
-    _one_pass_group,
+    _quant_outputs,
     _quantize_to_fp8,
     _store_groups,
+    _tiling,
 )
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -294,15 +294,6 @@ def _launch(block: int) -> dict[str, int]:
     return {"num_warps": _num_warps(block)}
 
 
-def _quant_outputs(
-    shape: tuple[int, ...], group_len: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    groups_per_row = -(-shape[-1] // group_len)
-    q = torch.empty(shape, dtype=FP8_DTYPE, device=device)
-    scales = torch.empty((*shape[:-1], groups_per_row), dtype=torch.float32, device=device)
-    return q, scales, groups_per_row
-
-
 def rms_norm_quant(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -323,9 +314,7 @@ def rms_norm_quant(
     )
     if num_rows == 0:
         return q, scales, residual_out
-    row_block = triton.next_power_of_2(max(row_len, 16))
-    one_pass_group = _one_pass_group(row_len, group_len, row_block)
-    block = row_block if one_pass_group else _block_for(group_len)
+    block, one_pass_group = _tiling(row_len, group_len)
     _rms_norm_quant_kernel[(num_rows,)](
         rows,
         res_rows,
@@ -366,9 +355,7 @@ def silu_and_mul_quant(
     q, scales, groups_per_row = _quant_outputs(out_shape, group_len, x.device)
     if num_rows == 0 or half_len == 0:
         return q, scales
-    row_block = triton.next_power_of_2(max(half_len, 16))
-    one_pass_group = _one_pass_group(half_len, group_len, row_block)
-    block = row_block if one_pass_group else _block_for(group_len)
+    block, one_pass_group = _tiling(half_len, group_len)
     grid = (num_rows, 1) if one_pass_group else (num_rows, groups_per_row)
     _silu_and_mul_quant_kernel[grid](
         rows,

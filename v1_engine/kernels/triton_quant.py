@@ -213,6 +213,24 @@ def _one_pass_group(row_len: int, group_len: int, block: int) -> int:
     return group_len if group_len & (group_len - 1) == 0 else 0
 
 
+def _tiling(row_len: int, group_len: int) -> tuple[int, int]:
+    """(BLOCK, ONE_PASS_GROUP) of the group quant and fused quant kernels for rows of row_len
+    values in group_len-wide groups: the whole row's power-of-two tile where the one-pass body
+    takes it, else one group's chunk."""
+    row_block = triton.next_power_of_2(max(row_len, 16))
+    one_pass_group = _one_pass_group(row_len, group_len, row_block)
+    return (row_block if one_pass_group else _block_for(group_len)), one_pass_group
+
+
+def _quant_outputs(
+    shape: tuple[int, ...], group_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    groups_per_row = -(-shape[-1] // group_len)
+    q = torch.empty(shape, dtype=FP8_DTYPE, device=device)
+    scales = torch.empty((*shape[:-1], groups_per_row), dtype=torch.float32, device=device)
+    return q, scales, groups_per_row
+
+
 def _num_warps(block: int) -> int:
     return 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
 
@@ -225,14 +243,10 @@ def per_token_group_quant(
     rows = _as_rows(x)
     num_rows, row_len = rows.shape
     group_len = row_len if group_size is None else group_size
-    groups_per_row = -(-row_len // group_len)
-    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty((*x.shape[:-1], groups_per_row), dtype=torch.float32, device=x.device)
+    q, scales, groups_per_row = _quant_outputs(tuple(x.shape), group_len, x.device)
     if num_rows == 0:
         return q, scales
-    row_block = triton.next_power_of_2(max(row_len, 16))
-    one_pass_group = _one_pass_group(row_len, group_len, row_block)
-    block = row_block if one_pass_group else _block_for(group_len)
+    block, one_pass_group = _tiling(row_len, group_len)
     grid = (num_rows, 1) if one_pass_group else (num_rows, groups_per_row)
     _group_quant_kernel[grid](
         rows,
