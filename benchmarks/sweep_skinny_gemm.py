@@ -9,7 +9,7 @@ them) and replayed under triton.testing.do_bench. The calls cycle over enough co
 weight that none is served from L2 (as consecutive layers are not). Every config's output is
 checked against the baseline's before it is timed. Prints the baseline and the best config per
 shape and M as achieved weight bandwidth against the HBM roofline, then the `TUNED_LAUNCH` table
-for triton_gemv.py (`FP8_TUNED_LAUNCH[kind]` for triton_gemv_fp8.py; None where the baseline
+for kernels/skinny_tuned.py (`FP8_TUNED_LAUNCH[kind]` for triton_gemv_fp8.py; None where the baseline
 stays faster): the module's current table with the swept (M bucket, N, K) entries replaced or
 added, so a sweep of some buckets (`--m 32,64`) prints a table that keeps the others.
 
