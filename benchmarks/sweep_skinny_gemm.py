@@ -20,6 +20,8 @@ then each shape gets a time budget, most promising configs first.
     python benchmarks/sweep_skinny_gemm.py --fp8 channel --shapes qkv,o_proj,gate_up,down
     python benchmarks/sweep_skinny_gemm.py --m 32,64 --seconds 10
     python benchmarks/sweep_skinny_gemm.py --m 32,64 --split-k 2,4,8 --shapes qkv,o_proj,down
+    python benchmarks/sweep_skinny_gemm.py --fp8 block --m 1,16,64 --split-k 2,4,8 \
+        --shapes o_proj,down,o_proj_70b,down_70b
 """
 
 from __future__ import annotations
@@ -48,13 +50,18 @@ from v1_engine.kernels import fp8, fp8_cutlass, triton_gemv
 from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
 from v1_engine.layers.quantization.fp8_moe import quantize_matrix_block_fp8
 
-SHAPES = {  # name: (N, K) of Llama-3-8B's linears
+SHAPES = {  # name: (N, K) of Llama-3-8B's linears, then Llama-3-70B's (at one GPU's width)
     "qkv": (6144, 4096),
     "o_proj": (4096, 4096),
     "gate_up": (28672, 4096),
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
+    "qkv_70b": (10240, 8192),
+    "o_proj_70b": (8192, 8192),
+    "gate_up_70b": (57344, 8192),
+    "down_70b": (8192, 28672),
 }
+DEFAULT_SHAPES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
 CALLS = 10
 """Calls per CUDA graph."""
 L2_BYTES = 60e6
@@ -128,15 +135,18 @@ def fma_configs(kind: str) -> list[dict]:
 
 
 def split_configs(kind: str, splits: list[int]) -> list[dict]:
-    """Split-K launches (bf16 only): the 64-wide dot configs, also at 128 columns, each split
-    `splits` ways. Wider tiles re-read x from L2 fewer times; the split keeps their programs many."""
-    if kind != "bf16" or not splits:
+    """Split-K launches: the dot configs of the narrower width below, also at the wider one, each
+    split `splits` ways. bf16 (meant for M = 32..64): 64 and 128 columns, wider tiles re-reading
+    x from L2 fewer times while the split keeps their programs many; FP8 (any M): 32 and 64
+    columns, the split putting more programs, so more loads, in flight per SM."""
+    if not splits:
         return []
+    narrow, wide = (64, 128) if kind == "bf16" else (32, 64)
     configs = []
     for launch in dot_configs(kind):
-        if launch["block_n"] != 64:
+        if launch["block_n"] != narrow:
             continue
-        for block_n, split in itertools.product((64, 128), splits):
+        for block_n, split in itertools.product((narrow, wide), splits):
             config = launch | {"block_n": block_n, "split_k": split}
             if smem_bytes(kind, config, 1) <= SMEM_BYTES:
                 configs.append(config)
@@ -337,7 +347,7 @@ def report(kind: str, name: str, n: int, k: int, results: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"any of {list(SHAPES)}")
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"any of {list(SHAPES)}")
     parser.add_argument(
         "--m", default="1,2,4,8,16", help=f"batch sizes (1..{triton_gemv.SKINNY_MAX_M})"
     )
@@ -349,8 +359,8 @@ def main() -> None:
     parser.add_argument(
         "--split-k",
         default="",
-        help="bf16: also sweep split-K launches, split this many ways (e.g. 2,4,8), one split "
-        "config after each unsplit one",
+        help="also sweep split-K launches, split this many ways (e.g. 2,4,8), one split config "
+        "after each unsplit one",
     )
     parser.add_argument(
         "--fp8",

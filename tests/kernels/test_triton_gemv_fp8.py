@@ -142,6 +142,44 @@ def test_block_kernel_matches_reference_interpreted(mode, m, n, k, out_dtype):
 
 
 @interpreter_only
+@pytest.mark.parametrize("m", [1, 5, 24])
+@pytest.mark.parametrize("split", [2, 3])
+def test_channel_split_k_matches_reference_interpreted(m, split):
+    """K = 200 is 7 steps of 32: split 2 gives slices of 4 + 3 steps, split 3 of 3 + 3 + 1 (the
+    last masked). Per-token a, per-channel b and a bias, applied once to the summed tile; the
+    semaphores are back at zero after each launch, so the second (other operands) is right too
+    and a repeat is bit-identical (partials summed in slice order)."""
+    n, k = 40, 200
+    launch = launch_for("dot_swap", "channel") | {"split_k": split}
+    for seed in (1, 4):
+        a, b, scale_a, scale_b = channel_operands(m, n, k, "token", seed=seed + m)
+        bias = randn((n,), seed).to(torch.bfloat16)
+        out = skinny.fp8_skinny_gemm(a, b, scale_a, scale_b, torch.bfloat16, bias, **launch)
+        assert_matches(out, fp8.scaled_mm_ref(a, b, scale_a, scale_b, torch.bfloat16, bias))
+        again = skinny.fp8_skinny_gemm(a, b, scale_a, scale_b, torch.bfloat16, bias, **launch)
+        assert torch.equal(out, again)
+        assert not triton_gemv._ARRIVALS[a.device].any()
+
+
+@interpreter_only
+@pytest.mark.parametrize("m", [1, 5, 24])
+@pytest.mark.parametrize(("k", "split"), [(640, 2), (640, 5), (600, 3)])
+def test_block_split_k_matches_reference_interpreted(m, k, split):
+    """Slices of whole 128-wide scale groups: K = 640 is 5 groups (3 + 2, or one each); K = 600
+    ends in a partial group (2 + 2 + 1, the last slice's group masked). Each slice scales its
+    own groups, the last program adds the slices."""
+    n = 200
+    launch = launch_for("dot_swap", "block") | {"split_k": split}
+    a, b, scale_a, scale_b = block_operands(m, n, k, seed=m + k + split)
+    out = skinny.fp8_block_skinny_gemm(a, b, scale_a, scale_b, torch.bfloat16, **launch)
+    assert_matches(out, fp8.block_scaled_mm_ref(a, b, scale_a, scale_b, torch.bfloat16))
+    assert torch.equal(
+        out, skinny.fp8_block_skinny_gemm(a, b, scale_a, scale_b, torch.bfloat16, **launch)
+    )
+    assert not triton_gemv._ARRIVALS[a.device].any()
+
+
+@interpreter_only
 def test_block_kernel_reads_transposed_scales_and_whole_block_tiles_interpreted():
     """scale_a as a column-major view (strides read as given) and BLOCK_N = 128 = one weight
     block per tile."""
@@ -301,6 +339,7 @@ def test_launch_table_and_overrides(monkeypatch):
     )
     resolved = skinny.resolve_fp8_launch("channel", 3, 1024, 2048, {"num_stages": 2})
     assert resolved == tuned | {"num_stages": 2, "split_k": 1}
+    assert skinny.resolve_fp8_launch("block", 3, 1024, 2048, {"split_k": 4})["split_k"] == 4
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", False)
     assert not skinny.prefers_fp8_skinny("channel", 3, 1024, 2048)
     for kind, bad, match in (
@@ -313,7 +352,8 @@ def test_launch_table_and_overrides(monkeypatch):
         ("block", {"block_k": 256}, "block_k must be 128"),
         ("block", {"block_n": 256}, "block_n must be <= 128"),
         ("block", {"num_warps": 3}, "num_warps"),
-        ("channel", {"split_k": 2}, "split_k must be 1 for the FP8 kernels"),  # bf16 only
+        ("block", {"split_k": 17}, "split_k must be an integer in 1..16"),  # 16 groups of 128
+        ("channel", {"block_k": 256, "split_k": 7}, "would leave a slice empty"),
     ):
         with pytest.raises(ValueError, match=match):
             skinny.resolve_fp8_launch(kind, 3, 1024, 2048, bad)
@@ -374,6 +414,35 @@ def test_block_llama3_shapes_gpu(name, m, mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("split", [2, 3, 8])
+@pytest.mark.parametrize("kind", skinny.KINDS)
+def test_split_k_llama3_shapes_gpu(kind, name, m, split):
+    """Split launches at the real shapes on the device (K = 4096 in 8 steps of 512, or 32 groups;
+    K = 14336 in 28 / 112: split 3 leaves the last slice short): right against the reference,
+    bit-identical to a repeat, semaphores back at zero."""
+    _n, k = LLAMA3_8B_SHAPES[name]
+    b, scale_b = llama3_weight(name, kind)
+    x = randn((m, k), m + split).cuda()
+    launch = {"mode": "dot_swap", "block_n": 32, "split_k": split}
+    if kind == "channel":
+        a, scale_a = fp8.per_token_fp8_quant_ref(x)
+        args = (a, b, scale_a, scale_b, torch.bfloat16)
+        kernel, ref = skinny.fp8_skinny_gemm, fp8.scaled_mm_ref(*args)
+        launch["block_k"] = 512
+    else:
+        a, scale_a = fp8.per_token_group_fp8_quant_ref(x)
+        args = (a, b, scale_a, scale_b, torch.bfloat16)
+        kernel, ref = skinny.fp8_block_skinny_gemm, fp8.block_scaled_mm_ref(*args)
+    out = kernel(*args, **launch)
+    assert_matches(out, ref)
+    assert torch.equal(kernel(*args, **launch), out)
+    torch.cuda.synchronize()
+    assert not triton_gemv._ARRIVALS[a.device].any()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("mode", skinny.FP8_MODES)
 def test_channel_ragged_shape_every_granularity_gpu(granularity, mode):
@@ -411,10 +480,12 @@ def test_op_dispatch_gpu(kind, monkeypatch):
 
 @pytest.mark.gpu
 def test_cuda_graph_replay_gpu(monkeypatch):
-    """Per-token quantization and the skinny GEMM captured in one graph, replayed on new x."""
+    """Per-token quantization and the skinny GEMM (split 4 ways) captured in one graph, replayed
+    on new x."""
     n, k = LLAMA3_8B_SHAPES["o_proj"]
     b, scale_b = llama3_weight("o_proj", "channel")
     launch = {"mode": "dot_swap", "block_n": 64, "block_k": 512, "num_warps": 4, "num_stages": 4}
+    launch["split_k"] = 4  # the semaphores reset inside the graph, so every replay is right
     monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, "channel", {(4, n, k): launch})
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
     bias = randn((n,), 1).to("cuda", torch.bfloat16)

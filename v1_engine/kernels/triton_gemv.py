@@ -10,9 +10,10 @@ float32 and storing in x's dtype.
 each: every program stores its float32 partial tile to a workspace and counts itself in on a
 per-tile semaphore, and the last to arrive sums the partials in slice order (so results stay
 deterministic), stores the tile and resets the semaphore for the next launch, still in one
-kernel. It is meant for M = 32..64, where each column tile re-reads all of x from L2: wider tiles
-read it fewer times, and the split keeps their number of programs up. TUNED_LAUNCH holds no
-split entry until the sweep has measured one.
+kernel (`_split_arrive` / `_split_sum`, which the FP8 skinny kernels share). At M = 32..64 each column tile
+re-reads all of x from L2: wider tiles read it fewer times, and the split keeps their number of
+programs up; at small M a split puts more programs, so more loads, in flight per SM. Only entries
+the sweep measured faster carry a split.
 
 Three bodies, picked by the launch config's `mode` (the sweep compares them):
 
@@ -145,24 +146,51 @@ def _skinny_gemm_kernel(
         result = tl.sum(acc, axis=2)
     tile_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
-        # partial [SPLIT_K, M, N] float32. The barrier orders every thread's partial stores
-        # before the one thread's atomic, whose release (acq_rel) publishes them; its acquire
-        # in the last program makes the other slices' visible there (read past L1: .cg).
-        tile_offsets = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        slice_size = M.to(tl.int64) * N
-        tl.store(partial_ptr + tl.program_id(1) * slice_size + tile_offsets, result, mask=tile_mask)
-        tl.debug_barrier()
-        if tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
-            result = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                part = partial_ptr + s * slice_size + tile_offsets
-                result += tl.load(part, mask=tile_mask, other=0.0, cache_modifier=".cg")
-            _store_tile(result, bias_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask,
+        split = (partial_ptr, arrivals_ptr, tile, offs_m, offs_n, tile_mask, M, N)
+        if _split_arrive(result, *split, SPLIT_K):
+            total = _split_sum(result, *split, SPLIT_K)
+            _store_tile(total, bias_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask,
                         stride_om, HAS_BIAS)  # fmt: skip
             tl.atomic_xchg(arrivals_ptr + tile, 0)
     else:
         _store_tile(result, bias_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om,
                     HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _split_arrive(result, partial_ptr, arrivals_ptr, tile, offs_m, offs_n, tile_mask, M, N,
+                  SPLIT_K: tl.constexpr):  # fmt: skip
+    """The split-K epilogue shared by the skinny kernels (here and in triton_gemv_fp8.py), for
+    program (tile, s) of a launch over (column tiles, SPLIT_K): stores this slice's float32
+    [BLOCK_M, BLOCK_N] tile `result` into partial [SPLIT_K, M, N], counts itself in on the tile's
+    semaphore and returns whether it arrived last (then `_split_sum` gives the tile's total).
+
+    The barrier orders every thread's partial stores before the one thread's atomic, whose
+    release (acq_rel) publishes them; its acquire in the last program makes the other slices'
+    visible there (`_split_sum` reads past L1: .cg)."""
+    tile_offsets = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(partial_ptr + tl.program_id(1) * M.to(tl.int64) * N + tile_offsets, result,
+             mask=tile_mask)  # fmt: skip
+    tl.debug_barrier()
+    return tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
+
+
+@triton.jit
+def _split_sum(result, partial_ptr, arrivals_ptr, tile, offs_m, offs_n, tile_mask, M, N,
+               SPLIT_K: tl.constexpr):  # fmt: skip
+    """In the program `_split_arrive` found last: the sum of every slice's partial tile in slice
+    order (deterministic whichever program is last), in a tile shaped as `result` (whose values
+    are in the partials by now). The caller stores it from inside its `if` on the arrival (one
+    tile live), then resets the tile's semaphore for the next launch: an atomic between these
+    loads and that store holds the whole sum in registers (at 64 x 128 it spills)."""
+    tile_offsets = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    slice_size = M.to(tl.int64) * N
+    # A fresh tile in the loads' layout (zeros_like would take the dot's, and convert each load).
+    total = tl.zeros(result.shape, dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        part = partial_ptr + s * slice_size + tile_offsets
+        total += tl.load(part, mask=tile_mask, other=0.0, cache_modifier=".cg")
+    return total
 
 
 @triton.jit
@@ -291,6 +319,16 @@ def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
     return arrivals
 
 
+def split_workspace(out: torch.Tensor, tiles: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split launch's (partials [split, M, N] float32, semaphores) for output `out` [M, N] over
+    `tiles` column tiles; for an unsplit launch (split 1) both are `out`, never read."""
+    if split == 1:
+        return out, out
+    m, n = out.shape
+    partials = torch.empty((split, m, n), dtype=torch.float32, device=out.device)
+    return partials, _arrivals(out.device, tiles)
+
+
 def _constexprs(
     m: int, dtype: torch.dtype, has_bias: bool, config: dict, device: torch.device
 ) -> dict:
@@ -330,11 +368,7 @@ def skinny_gemm(
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles, split = triton.cdiv(n, config["block_n"]), config["split_k"]
-    if split > 1:
-        partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        arrivals = _arrivals(x.device, tiles)
-    else:
-        partials, arrivals = out, out  # unused
+    partials, arrivals = split_workspace(out, tiles, split)
     _skinny_gemm_kernel[(tiles, split)](
         x,
         weight,

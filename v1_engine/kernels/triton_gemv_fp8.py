@@ -4,8 +4,9 @@ and `v1_engine::block_scaled_mm` (fp8.py) run them on the shapes FP8_TUNED_LAUNC
 At decode sizes an FP8 linear only streams its e4m3 weight from HBM; the CUTLASS kernels, tiled
 for large M, read it well below bandwidth there. Here, as in the bf16 skinny GEMM (triton_gemv.py,
 whose launch keys, bodies and helpers this module shares), each program owns BLOCK_N rows of the
-weight and walks the whole of K with pipelined loads: one kernel per linear, no split-K, no
-atomics. The e4m3 operands are upcast in registers to float16 (exact: every e4m3 value is an
+weight and walks the whole of K with pipelined loads, one kernel per linear; a launch's
+`split_k` splits K over that many programs per column tile, whose float32 partials the last one
+to arrive sums in slice order (triton_gemv's split epilogue, shared). The e4m3 operands are upcast in registers to float16 (exact: every e4m3 value is an
 fp16 value, and products of two are exact in the float32 accumulator) and multiplied on tensor
 cores with the weight tile as the left operand (triton_gemv's "dot_swap" body, FP8_MODES): on
 the H200 with Triton 3.6 the other two bodies fail to compile with e4m3 operands (the "dot" body
@@ -31,7 +32,7 @@ import triton.language as tl
 
 from v1_engine.kernels import interpreting, triton_gemv
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
-from v1_engine.kernels.triton_gemv import _dot, m_bucket
+from v1_engine.kernels.triton_gemv import _dot, _split_arrive, _split_sum, m_bucket
 
 KINDS = ("channel", "block")
 FP8_MODES = ("dot_swap",)
@@ -137,9 +138,12 @@ def _fp8_skinny_kernel(
     scale_b_ptr,
     bias_ptr,
     out_ptr,
+    partial_ptr,
+    arrivals_ptr,
     M,
     N,
     K,
+    k_per_split,
     stride_am,
     stride_bn,
     stride_om,
@@ -151,26 +155,48 @@ def _fp8_skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Per-tensor/per-channel kind: one program per BLOCK_N output columns over all of K; scale
-    strides are 0 for a per-tensor scale."""
+    """Per-tensor/per-channel kind: program (n, s) owns BLOCK_N output columns over the s-th
+    k_per_split-wide slice of K (all of K unsplit); scale strides are 0 for a per-tensor scale.
+    The scales (and bias) apply once, to the summed tile."""
     pdl_wait(PDL)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile = tl.program_id(0)
+    k_start = tl.program_id(1) * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + (k_start + offs_k)[None, :]
+    b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k_mask = offs_k[None, :] < K - k
+    for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        k_mask = offs_k[None, :] < k_end - k
         acc += _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     pdl_release(PDL)
     result = tl.trans(acc)
+    epilogue = (scale_a_ptr, scale_b_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask,
+                stride_sa, stride_sb, stride_om, HAS_BIAS)  # fmt: skip
+    if SPLIT_K > 1:
+        tile_mask = m_mask[:, None] & n_mask[None, :]
+        split = (partial_ptr, arrivals_ptr, tile, offs_m, offs_n, tile_mask, M, N)
+        if _split_arrive(result, *split, SPLIT_K):
+            _scale_and_store(_split_sum(result, *split, SPLIT_K), *epilogue)
+            tl.atomic_xchg(arrivals_ptr + tile, 0)
+    else:
+        _scale_and_store(result, *epilogue)
+
+
+@triton.jit
+def _scale_and_store(result, scale_a_ptr, scale_b_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_mask,
+                     n_mask, stride_sa, stride_sb, stride_om, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The channel kind's epilogue: the float32 tile times scale_a[m] and scale_b[n] (+ bias),
+    stored in out's dtype."""
     scale_a = tl.load(scale_a_ptr + offs_m * stride_sa, mask=m_mask, other=0.0)
     scale_b = tl.load(scale_b_ptr + offs_n * stride_sb, mask=n_mask, other=0.0)
     result = result * scale_a[:, None] * scale_b[None, :]
@@ -186,9 +212,12 @@ def _fp8_block_skinny_kernel(
     scale_a_ptr,
     scale_b_ptr,
     out_ptr,
+    partial_ptr,
+    arrivals_ptr,
     M,
     N,
     K,
+    k_per_split,
     stride_am,
     stride_bn,
     stride_om,
@@ -201,23 +230,29 @@ def _fp8_block_skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Block-scaled kind: BLOCK_K is the scale group and BLOCK_N divides it, so each step's weight
-    tile has one scale (scale_b[n // BLOCK_K, kb]) and each activation row one (scale_a[m, kb])."""
-    pid = tl.program_id(0)
+    tile has one scale (scale_b[n // BLOCK_K, kb]) and each activation row one (scale_a[m, kb]).
+    Program (n, s) walks the s-th k_per_split-wide slice of K (whole groups; all of K unsplit);
+    the partial sums are scaled already, so a split only adds them."""
+    tile = tl.program_id(0)
     pdl_wait(PDL)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    kb_start = tl.program_id(1) * (k_per_split // BLOCK_K)
+    kb_end = tl.minimum(tl.cdiv(K, BLOCK_K), kb_start + k_per_split // BLOCK_K)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+    k_offs = kb_start * BLOCK_K + offs_k
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + k_offs[None, :]
+    b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + k_offs[None, :]
     scale_a_ptrs = scale_a_ptr + offs_m * stride_sam
-    scale_b_ptr += (pid * BLOCK_N // BLOCK_K) * stride_sbn
+    scale_b_ptr += (tile * BLOCK_N // BLOCK_K) * stride_sbn
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for kb in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
+    for kb in tl.range(kb_start, kb_end, num_stages=NUM_STAGES):
         k_mask = offs_k[None, :] < K - kb * BLOCK_K
         partial = _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
         scale_a = tl.load(scale_a_ptrs + kb * stride_sak, mask=m_mask, other=0.0)
@@ -227,7 +262,15 @@ def _fp8_block_skinny_kernel(
         b_ptrs += BLOCK_K
     pdl_release(PDL)
     result = tl.trans(acc)
-    _store_rows(out_ptr, result, offs_m, offs_n, m_mask, n_mask, stride_om)
+    if SPLIT_K > 1:
+        tile_mask = m_mask[:, None] & n_mask[None, :]
+        split = (partial_ptr, arrivals_ptr, tile, offs_m, offs_n, tile_mask, M, N)
+        if _split_arrive(result, *split, SPLIT_K):
+            total = _split_sum(result, *split, SPLIT_K)
+            _store_rows(out_ptr, total, offs_m, offs_n, m_mask, n_mask, stride_om)
+            tl.atomic_xchg(arrivals_ptr + tile, 0)
+    else:
+        _store_rows(out_ptr, result, offs_m, offs_n, m_mask, n_mask, stride_om)
 
 
 def _check_kind(kind: str) -> None:
@@ -263,8 +306,6 @@ def resolve_fp8_launch(
     config = fp8_launch_config(kind, m, n, k) | launch
     # A complete config overrides every key of triton_gemv's own default, so this only checks.
     config = triton_gemv.resolve_launch(m, n, k, config)
-    if config["split_k"] != 1:
-        raise ValueError(f"launch split_k must be 1 for the FP8 kernels, got {config['split_k']!r}")
     if config["mode"] not in FP8_MODES:
         raise ValueError(
             f"launch mode must be one of {FP8_MODES} for the FP8 kernels, got {config['mode']!r}"
@@ -321,6 +362,7 @@ def _constexprs(
         "BLOCK_N": config["block_n"],
         "BLOCK_K": config["block_k"],
         "NUM_STAGES": config["num_stages"],
+        "SPLIT_K": config["split_k"],
         "num_warps": config["num_warps"],
         "num_stages": config["num_stages"],
     } | launch_options(device)
@@ -356,16 +398,21 @@ def fp8_skinny_gemm(
     config = resolve_fp8_launch("channel", m, n, k, launch)
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    _fp8_skinny_kernel[(triton.cdiv(n, config["block_n"]),)](
+    tiles, split = triton.cdiv(n, config["block_n"]), config["split_k"]
+    partials, arrivals = triton_gemv.split_workspace(out, tiles, split)
+    _fp8_skinny_kernel[(tiles, split)](
         a,
         b,
         scale_a,
         scale_b,
         bias if bias is not None else out,
         out,
+        partials,
+        arrivals,
         m,
         n,
         k,
+        triton_gemv.k_per_split(k, config),
         a.stride(0),
         b.stride(0),
         out.stride(0),
@@ -399,15 +446,20 @@ def fp8_block_skinny_gemm(
     config = resolve_fp8_launch("block", m, n, k, launch)
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    _fp8_block_skinny_kernel[(triton.cdiv(n, config["block_n"]),)](
+    tiles, split = triton.cdiv(n, config["block_n"]), config["split_k"]
+    partials, arrivals = triton_gemv.split_workspace(out, tiles, split)
+    _fp8_block_skinny_kernel[(tiles, split)](
         a,
         b,
         scale_a,
         scale_b,
         out,
+        partials,
+        arrivals,
         m,
         n,
         k,
+        triton_gemv.k_per_split(k, config),
         a.stride(0),
         b.stride(0),
         out.stride(0),
@@ -428,10 +480,13 @@ def precompile_fp8(
     config = resolve_fp8_launch(kind, m, n, k, launch)
     constexprs = _constexprs(m, config, torch.device("cuda"))
     fp8, fp32 = FP8_DTYPE, torch.float32
+    split = config["split_k"] > 1
+    workspace = (fp32 if split else out_dtype, torch.int32 if split else out_dtype)
+    sizes = (m, n, k, triton_gemv.k_per_split(k, config), k, k, n)
     if kind == "channel":
-        args = (fp8, fp8, fp32, fp32, out_dtype, out_dtype, m, n, k, k, k, n, 1, 1)
+        args = (fp8, fp8, fp32, fp32, out_dtype, out_dtype, *workspace, *sizes, 1, 1)
         _fp8_skinny_kernel.warmup(*args, grid=(1,), HAS_BIAS=False, **constexprs)
     else:
         groups_k = triton.cdiv(k, SCALE_GROUP)
-        args = (fp8, fp8, fp32, fp32, out_dtype, m, n, k, k, k, n, groups_k, 1, groups_k, 1)
+        args = (fp8, fp8, fp32, fp32, out_dtype, *workspace, *sizes, groups_k, 1, groups_k, 1)
         _fp8_block_skinny_kernel.warmup(*args, grid=(1,), **constexprs)
