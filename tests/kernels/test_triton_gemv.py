@@ -121,6 +121,20 @@ def test_split_k_matches_reference_and_resets_its_semaphores_interpreted(mode, m
     assert triton_gemv.k_per_split(k, launch | {"split_k": split}) == (128 if split == 2 else 96)
 
 
+def test_outgrown_semaphores_stay_alive(monkeypatch):
+    """A launch with more tiles than the semaphore buffer holds gets a larger one; the old buffer
+    stays referenced, since CUDA graphs captured before may still point at it."""
+    monkeypatch.setattr(triton_gemv, "_ARRIVALS", {})
+    monkeypatch.setattr(triton_gemv, "_OUTGROWN", [])
+    device = torch.device("cpu")
+    first = triton_gemv._arrivals(device, 10)
+    assert first.numel() == 4096 and not first.any()
+    assert triton_gemv._arrivals(device, 4096) is first
+    second = triton_gemv._arrivals(device, 5000)
+    assert second.numel() == 5000 and triton_gemv._arrivals(device, 1) is second
+    assert len(triton_gemv._OUTGROWN) == 1 and triton_gemv._OUTGROWN[0] is first
+
+
 def test_split_k_compiles_for_sm90(run_compile_probe):
     """The split launches compile for the GPU (the interpreter accepts more): without spills, the
     slice's arrival an acq_rel atomic after a barrier over the program's partial stores, the

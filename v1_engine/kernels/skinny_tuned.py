@@ -168,7 +168,13 @@ TUNED_LAUNCH: dict[tuple[int, int, int], dict[str, int | str] | None] = {
         "num_warps": 4,
         "num_stages": 3,
     },
-    (32, 6144, 4096): None,
+    (32, 6144, 4096): {
+        "mode": "dot_swap",
+        "block_n": 64,
+        "block_k": 128,
+        "num_warps": 4,
+        "num_stages": 6,
+    },
     (64, 6144, 4096): None,
     (32, 4096, 4096): {
         "mode": "dot_swap",
@@ -179,14 +185,28 @@ TUNED_LAUNCH: dict[tuple[int, int, int], dict[str, int | str] | None] = {
     },
     (64, 4096, 4096): None,
     (32, 28672, 4096): None,
-    (64, 28672, 4096): None,
-    (32, 4096, 14336): None,
-    (64, 4096, 14336): {
+    (64, 28672, 4096): {
         "mode": "dot",
-        "block_n": 32,
+        "block_n": 64,
+        "block_k": 128,
+        "num_warps": 4,
+        "num_stages": 3,
+    },
+    (32, 4096, 14336): {
+        "mode": "dot_swap",
+        "block_n": 64,
         "block_k": 128,
         "num_warps": 4,
         "num_stages": 6,
+        "split_k": 2,
+    },
+    (64, 4096, 14336): {
+        "mode": "dot_swap",
+        "block_n": 64,
+        "block_k": 128,
+        "num_warps": 4,
+        "num_stages": 6,
+        "split_k": 2,
     },
     (32, 128256, 4096): {
         "mode": "dot_swap",

@@ -302,6 +302,8 @@ _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 """Per device: the split launches' per-tile semaphores, zero between launches (the last program
 of a tile resets its own). Shared by every split launch on the device, so such launches must not
 run concurrently on two streams (the engine runs its forward on one)."""
+_OUTGROWN: list[torch.Tensor] = []
+"""Semaphore buffers replaced by a larger one, never freed: CUDA graphs may have captured them."""
 
 
 def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
@@ -314,6 +316,8 @@ def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
                 "a split-K skinny GEMM was first launched during CUDA graph capture: run the "
                 "shape once eagerly first, so its semaphores exist outside the graph"
             )
+        if arrivals is not None:  # graphs captured on it still point there: keep it alive
+            _OUTGROWN.append(arrivals)
         arrivals = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
         _ARRIVALS[device] = arrivals
     return arrivals

@@ -76,16 +76,16 @@ FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | No
     "block": {
         # Llama-3-8B
         (1, 6144, 4096): _SPLIT4,
-        (2, 6144, 4096): _BLOCK_S6,
-        (4, 6144, 4096): _BLOCK_S6,
-        (8, 6144, 4096): _BLOCK_S6,
+        (2, 6144, 4096): _SPLIT4,
+        (4, 6144, 4096): _SPLIT4,
+        (8, 6144, 4096): _SPLIT4,
         (16, 6144, 4096): _SPLIT4,
         (32, 6144, 4096): None,
         (64, 6144, 4096): None,
         (1, 4096, 4096): _SPLIT8,
-        (2, 4096, 4096): _BLOCK_S6,
-        (4, 4096, 4096): _BLOCK_S6,
-        (8, 4096, 4096): _BLOCK_S6,
+        (2, 4096, 4096): _SPLIT8,
+        (4, 4096, 4096): _SPLIT8,
+        (8, 4096, 4096): _SPLIT8,
         (16, 4096, 4096): _SPLIT8,
         (32, 4096, 4096): _BLOCK_S6 | {"block_n": 16},
         (64, 4096, 4096): None,
@@ -97,23 +97,35 @@ FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | No
         (32, 28672, 4096): None,
         (64, 28672, 4096): None,
         (1, 4096, 14336): _SPLIT8,
-        (2, 4096, 14336): _BLOCK_S6,
-        (4, 4096, 14336): _BLOCK_S6,
-        (8, 4096, 14336): _BLOCK_S6,
+        (2, 4096, 14336): _SPLIT8,
+        (4, 4096, 14336): _SPLIT8,
+        (8, 4096, 14336): _SPLIT8,
         (16, 4096, 14336): _SPLIT8,
         (32, 4096, 14336): None,
         (64, 4096, 14336): None,
         # Llama-3-70B (at one GPU's width)
         (1, 10240, 8192): _SPLIT2,
+        (2, 10240, 8192): _SPLIT2,
+        (4, 10240, 8192): _SPLIT2,
+        (8, 10240, 8192): _SPLIT2,
         (16, 10240, 8192): _SPLIT2,
         (64, 10240, 8192): None,
         (1, 8192, 8192): _SPLIT4,
+        (2, 8192, 8192): _SPLIT4,
+        (4, 8192, 8192): _SPLIT4,
+        (8, 8192, 8192): _SPLIT4,
         (16, 8192, 8192): _SPLIT4,
         (64, 8192, 8192): None,
         (1, 57344, 8192): _BLOCK_S6,
+        (2, 57344, 8192): _BLOCK_S6,
+        (4, 57344, 8192): _BLOCK_S6,
+        (8, 57344, 8192): _BLOCK_S6,
         (16, 57344, 8192): _BLOCK_S6,
         (64, 57344, 8192): None,
         (1, 8192, 28672): _SPLIT4,
+        (2, 8192, 28672): _SPLIT4,
+        (4, 8192, 28672): _SPLIT4,
+        (8, 8192, 28672): _SPLIT4,
         (16, 8192, 28672): _SPLIT4,
         (64, 8192, 28672): None,
     },
@@ -132,7 +144,9 @@ Split-K, `--fp8 channel|block --m 1,16,64 --split-k 2,4,8 --seconds 12` over the
 shapes (2026-12-03, RESULTS.md "Split-K for the FP8 skinny GEMMs"): block-scaled at M 1 and 16
 runs split launches (8B o_proj 14.1 -> 9.1 us, down 36.1 -> 20.2, qkv 15.7 -> 11.8; 70B o_proj
 29.8 -> 22.1, down 80.1 -> 65.2, qkv 35.9 -> 28.2) or, on the wide gate_up shapes, unsplit ones
-(1.14x); CUTLASS keeps M = 64 except 8B o_proj (a tie). Per-channel CUTLASS still beat every
+(1.14x); CUTLASS keeps M = 64 except 8B o_proj (a tie). `--m 2,4,8` (same run) picked the
+same launches as M = 1 and 16 on every shape swept (all but 8B gate_up, which keeps its entries).
+Per-channel CUTLASS still beat every
 split launch at M 1..64 (best 0.84-0.94x on 8B; 70B qkv 1.02-1.05x, too close to take)."""
 
 
