@@ -84,11 +84,15 @@ def _positions(ptx: str) -> dict:
         return next((i for i, line in enumerate(lines) if pattern in line), -1)
 
     memory = [i for i, line in enumerate(lines) if _MEMORY_OP.search(line)]
+    wait = first("griddepcontrol.wait")
+    prefetches = [i for i, line in enumerate(lines) if "prefetch.global.L2" in line]
     return {
         "launch_dependents": first("griddepcontrol.launch_dependents"),
-        "wait": first("griddepcontrol.wait"),
+        "wait": wait,
         "first_memory_op": memory[0] if memory else -1,
         "memory_ops": len(memory),
+        "prefetches_before_wait": sum(1 for i in prefetches if i < wait),
+        "prefetches": len(prefetches),
     }
 
 
