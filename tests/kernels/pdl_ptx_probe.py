@@ -172,6 +172,7 @@ def main() -> None:
             if isinstance(value, triton.JITFunction) and value.fn.__module__ == module.__name__:
                 value.run = _recorder(value)
     pdl.use_pdl = lambda device: True
+    triton_gemv.WEIGHT_PREFETCH = 4  # opt-in (V1ENGINE_WEIGHT_PREFETCH): compile its PTX too
     _launch_all()
     target = GPUTarget("cuda", 90, 32)
     report = {}

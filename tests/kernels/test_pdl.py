@@ -86,8 +86,8 @@ def test_skinny_gemms_prefetch_their_weight_before_the_wait(ptx_report):
 
 
 def test_weight_prefetch_only_with_pdl(monkeypatch):
-    """PREFETCH is the K values of the first stages (a power of two of them), at least one
-    128-byte line, and 0 without PDL or with V1ENGINE_WEIGHT_PREFETCH=0."""
+    """PREFETCH is the K values of the first min(V1ENGINE_WEIGHT_PREFETCH, num_stages) steps (a
+    power of two of them), at least one 128-byte line; 0 without PDL or by default."""
     from v1_engine.kernels import triton_gemv
 
     config = {"block_k": 256, "num_stages": 3}
@@ -97,6 +97,11 @@ def test_weight_prefetch_only_with_pdl(monkeypatch):
     monkeypatch.setattr(
         triton_gemv, "launch_options", lambda device: {"PDL": True, "launch_pdl": True}
     )
+    monkeypatch.setattr(triton_gemv, "WEIGHT_PREFETCH", 0)  # the default: off
+    assert triton_gemv.pdl_prefetch(config, torch.bfloat16, cuda)["PREFETCH"] == 0
+    monkeypatch.setattr(triton_gemv, "WEIGHT_PREFETCH", 1)
+    assert triton_gemv.pdl_prefetch(config, torch.bfloat16, cuda)["PREFETCH"] == 256
+    monkeypatch.setattr(triton_gemv, "WEIGHT_PREFETCH", 8)  # at most num_stages steps
     assert triton_gemv.pdl_prefetch(config, torch.bfloat16, cuda)["PREFETCH"] == 512
     assert (
         triton_gemv.pdl_prefetch(config | {"num_stages": 4}, torch.bfloat16, cuda)["PREFETCH"]
@@ -104,7 +109,7 @@ def test_weight_prefetch_only_with_pdl(monkeypatch):
     )
     tiny = {"block_k": 16, "num_stages": 1}
     assert triton_gemv.pdl_prefetch(tiny, torch.float8_e4m3fn, cuda)["PREFETCH"] == 128
-    monkeypatch.setattr(triton_gemv, "WEIGHT_PREFETCH", False)
+    monkeypatch.setattr(triton_gemv, "WEIGHT_PREFETCH", 0)
     assert triton_gemv.pdl_prefetch(config, torch.bfloat16, cuda)["PREFETCH"] == 0
 
 

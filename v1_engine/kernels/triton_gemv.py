@@ -17,10 +17,11 @@ the sweep measured faster carry a split.
 
 With programmatic dependent launch (pdl.py) the kernel's programs become resident while the
 kernel before it (a norm, SiLU-and-mul, attention's tail) still runs, and wait there. The weight
-does not depend on that kernel, so before waiting each program hints its first num_stages K
-steps of weight rows into L2 (`prefetch_weight`, one `prefetch.global.L2` per 128-byte line): the
+does not depend on that kernel, so before waiting each program may hint its first K steps of
+weight rows into L2 (`prefetch_weight`, one `prefetch.global.L2` per 128-byte line): the
 first tiles then come from L2 instead of starting the HBM stream after the wait. The FP8 skinny
-kernels do the same; V1ENGINE_WEIGHT_PREFETCH=0 turns it off.
+kernels do the same. It is opt-in (V1ENGINE_WEIGHT_PREFETCH=steps): measured end to end on the
+H200 it lost (RESULTS.md, "Weight prefetch before the PDL wait").
 
 Three bodies, picked by the launch config's `mode` (the sweep compares them):
 
@@ -65,9 +66,10 @@ SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 SKINNY_GEMM_ENABLED = os.environ.get("V1ENGINE_SKINNY_GEMM", "1") != "0"
 """V1ENGINE_SKINNY_GEMM=0 keeps the unquantized linear layers on F.linear everywhere."""
 
-WEIGHT_PREFETCH = os.environ.get("V1ENGINE_WEIGHT_PREFETCH", "1") != "0"
-"""With PDL, each program hints its first weight tiles into L2 before waiting for the previous
-kernel (`prefetch_weight`); V1ENGINE_WEIGHT_PREFETCH=0 turns that off."""
+WEIGHT_PREFETCH = int(os.environ.get("V1ENGINE_WEIGHT_PREFETCH", "0"))
+"""With PDL, each program hints its first min(this, num_stages) K steps of weight into L2 before
+waiting for the previous kernel (`prefetch_weight`); 0, the default, prefetches nothing: all
+num_stages steps measured slower end to end (batch 1 4.33 -> 4.49 ms, RESULTS.md)."""
 
 MODES = ("dot", "dot_swap", "fma")
 LAUNCH_KEYS = ("mode", "block_n", "block_k", "num_warps", "num_stages", "split_k")
@@ -388,14 +390,15 @@ def _constexprs(
 
 
 def pdl_prefetch(config: dict, dtype: torch.dtype, device: torch.device) -> dict:
-    """`launch_options` plus the PREFETCH constexpr: with PDL on (and WEIGHT_PREFETCH), the K
-    values of the first num_stages steps, rounded down to a power of two and up to one 128-byte
-    line; 0 otherwise (without PDL the kernel starts after its predecessor anyway)."""
+    """`launch_options` plus the PREFETCH constexpr: with PDL on and WEIGHT_PREFETCH > 0, the K
+    values of the first min(WEIGHT_PREFETCH, num_stages) steps, rounded down to a power of two and
+    up to one 128-byte line; 0 otherwise (without PDL the kernel starts after its predecessor
+    anyway)."""
     options = launch_options(device)
     prefetch = 0
-    if options["PDL"] and WEIGHT_PREFETCH:
+    if options["PDL"] and WEIGHT_PREFETCH > 0:
         line = 128 // dtype.itemsize
-        steps = 1 << (config["num_stages"].bit_length() - 1)
+        steps = 1 << (min(WEIGHT_PREFETCH, config["num_stages"]).bit_length() - 1)
         prefetch = max(line, config["block_k"] * steps)
     return options | {"PREFETCH": prefetch}
 
