@@ -185,12 +185,7 @@ def machine() -> str:
     return f"{gpu}, torch {torch.__version__}, {platform.node()}"
 
 
-SWITCHES = (
-    "V1ENGINE_PDL",
-    "V1ENGINE_SKINNY_GEMM",
-    "V1ENGINE_WEIGHT_PREFETCH",
-    "V1ENGINE_ATTENTION_BACKEND",
-)
+SWITCHES = ("V1ENGINE_PDL", "V1ENGINE_SKINNY_GEMM", "V1ENGINE_ATTENTION_BACKEND")
 """Environment variables that change which kernels run: a result section records those set."""
 
 

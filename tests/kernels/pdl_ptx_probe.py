@@ -84,15 +84,11 @@ def _positions(ptx: str) -> dict:
         return next((i for i, line in enumerate(lines) if pattern in line), -1)
 
     memory = [i for i, line in enumerate(lines) if _MEMORY_OP.search(line)]
-    wait = first("griddepcontrol.wait")
-    prefetches = [i for i, line in enumerate(lines) if "prefetch.global.L2" in line]
     return {
         "launch_dependents": first("griddepcontrol.launch_dependents"),
-        "wait": wait,
+        "wait": first("griddepcontrol.wait"),
         "first_memory_op": memory[0] if memory else -1,
         "memory_ops": len(memory),
-        "prefetches_before_wait": sum(1 for i in prefetches if i < wait),
-        "prefetches": len(prefetches),
     }
 
 
@@ -172,7 +168,6 @@ def main() -> None:
             if isinstance(value, triton.JITFunction) and value.fn.__module__ == module.__name__:
                 value.run = _recorder(value)
     pdl.use_pdl = lambda device: True
-    triton_gemv.WEIGHT_PREFETCH = 4  # opt-in (V1ENGINE_WEIGHT_PREFETCH): compile its PTX too
     _launch_all()
     target = GPUTarget("cuda", 90, 32)
     report = {}

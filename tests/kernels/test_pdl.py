@@ -39,8 +39,6 @@ LATE_RELEASE = {
     "_moe_gemm_kernel",
 }
 """Long kernels: they let their dependents launch after their main loop, not at their start."""
-WEIGHT_PREFETCH = {"_skinny_gemm_kernel", "_fp8_skinny_kernel", "_fp8_block_skinny_kernel"}
-"""Kernels that hint their weight into L2 before the wait (triton_gemv.prefetch_weight)."""
 
 
 def test_off_on_the_cpu_and_when_disabled(monkeypatch):
@@ -72,45 +70,6 @@ def test_ptx_waits_before_any_memory_access(ptx_report, kernel):
         assert where["launch_dependents"] > where["first_memory_op"], where
     else:
         assert 0 <= where["launch_dependents"] < where["wait"], where
-
-
-def test_skinny_gemms_prefetch_their_weight_before_the_wait(ptx_report):
-    """The weight prefetch (an L2 hint, not a load: the wait test above ignores it) sits before
-    the wait in the skinny GEMMs, and nowhere else."""
-    for name, where in ptx_report.items():
-        if name in WEIGHT_PREFETCH:
-            assert where["prefetches"] > 0, (name, where)
-            assert where["prefetches_before_wait"] == where["prefetches"], (name, where)
-        else:
-            assert where["prefetches"] == 0, (name, where)
-
-
-def test_weight_prefetch_only_with_pdl(monkeypatch):
-    """PREFETCH is the K values of the first min(V1ENGINE_WEIGHT_PREFETCH, num_stages) steps (a
-    power of two of them), at least one 128-byte line; 0 without PDL or by default."""
-    from v1_engine.kernels import triton_gemv
-
-    config = {"block_k": 256, "num_stages": 3}
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(triton_gemv, "launch_options", lambda device: {"PDL": False})
-    assert triton_gemv.pdl_prefetch(config, torch.bfloat16, cuda) == {"PDL": False, "PREFETCH": 0}
-    monkeypatch.setattr(
-        triton_gemv, "launch_options", lambda device: {"PDL": True, "launch_pdl": True}
-    )
-    monkeypatch.setattr(triton_gemv, "WEIGHT_PREFETCH", 0)  # the default: off
-    assert triton_gemv.pdl_prefetch(config, torch.bfloat16, cuda)["PREFETCH"] == 0
-    monkeypatch.setattr(triton_gemv, "WEIGHT_PREFETCH", 1)
-    assert triton_gemv.pdl_prefetch(config, torch.bfloat16, cuda)["PREFETCH"] == 256
-    monkeypatch.setattr(triton_gemv, "WEIGHT_PREFETCH", 8)  # at most num_stages steps
-    assert triton_gemv.pdl_prefetch(config, torch.bfloat16, cuda)["PREFETCH"] == 512
-    assert (
-        triton_gemv.pdl_prefetch(config | {"num_stages": 4}, torch.bfloat16, cuda)["PREFETCH"]
-        == 1024
-    )
-    tiny = {"block_k": 16, "num_stages": 1}
-    assert triton_gemv.pdl_prefetch(tiny, torch.float8_e4m3fn, cuda)["PREFETCH"] == 128
-    monkeypatch.setattr(triton_gemv, "WEIGHT_PREFETCH", 0)
-    assert triton_gemv.pdl_prefetch(config, torch.bfloat16, cuda)["PREFETCH"] == 0
 
 
 def _skip_without_pdl() -> None:

@@ -11,9 +11,7 @@ behind the tail of the one before.
 The contract every kernel here follows:
 - wait before touching any memory (loads and stores), unconditionally, before any early return: a
   kernel completes only after its programs pass the wait, so "predecessor complete" stays
-  transitive along a chain of PDL kernels. The one thing issued before the wait is an L2 prefetch
-  hint of a skinny GEMM's weight (triton_gemv.prefetch_weight), which no kernel of a step writes;
-  it reads nothing into registers;
+  transitive along a chain of PDL kernels;
 - where to signal: a short kernel (norms, SiLU-and-mul, RoPE, quant, cache writes) signals first
   (`pdl_enter`), a long one (GEMMs, attention) after its main loop (`pdl_wait` ... `pdl_release`).
   Signalling at the start of a long kernel let the next kernels, and theirs, pile up on the SMs

@@ -15,14 +15,6 @@ re-reads all of x from L2: wider tiles read it fewer times, and the split keeps 
 programs up; at small M a split puts more programs, so more loads, in flight per SM. Only entries
 the sweep measured faster carry a split.
 
-With programmatic dependent launch (pdl.py) the kernel's programs become resident while the
-kernel before it (a norm, SiLU-and-mul, attention's tail) still runs, and wait there. The weight
-does not depend on that kernel, so before waiting each program may hint its first K steps of
-weight rows into L2 (`prefetch_weight`, one `prefetch.global.L2` per 128-byte line): the
-first tiles then come from L2 instead of starting the HBM stream after the wait. The FP8 skinny
-kernels do the same. It is opt-in (V1ENGINE_WEIGHT_PREFETCH=steps): measured end to end on the
-H200 it lost (RESULTS.md, "Weight prefetch before the PDL wait").
-
 Three bodies, picked by the launch config's `mode` (the sweep compares them):
 
 - "dot": acc[BLOCK_M, BLOCK_N] = x @ W^T on tensor cores, BLOCK_M being M rounded up to a power
@@ -66,11 +58,6 @@ SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 SKINNY_GEMM_ENABLED = os.environ.get("V1ENGINE_SKINNY_GEMM", "1") != "0"
 """V1ENGINE_SKINNY_GEMM=0 keeps the unquantized linear layers on F.linear everywhere."""
 
-WEIGHT_PREFETCH = int(os.environ.get("V1ENGINE_WEIGHT_PREFETCH", "0"))
-"""With PDL, each program hints its first min(this, num_stages) K steps of weight into L2 before
-waiting for the previous kernel (`prefetch_weight`); 0, the default, prefetches nothing: all
-num_stages steps measured slower end to end (batch 1 4.33 -> 4.49 ms, RESULTS.md)."""
-
 MODES = ("dot", "dot_swap", "fma")
 LAUNCH_KEYS = ("mode", "block_n", "block_k", "num_warps", "num_stages", "split_k")
 _MODE_IDS = {name: index for index, name in enumerate(MODES)}
@@ -88,28 +75,6 @@ def _dot(a, b, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(a, b, input_precision="ieee")
     return tl.dot(a, b)
-
-
-@triton.jit
-def prefetch_weight(w_ptr, offs_n, n_mask, stride_wn, k_start, k_end, PREFETCH: tl.constexpr):
-    """Hint the first PREFETCH values of K (from k_start, masked at k_end) of this program's
-    weight rows into L2, one `prefetch.global.L2` per 128-byte line; nothing when PREFETCH is 0.
-    Issued before the kernel's PDL wait: the weight is written by no kernel of the step, so the
-    reads may start while the previous kernel still runs. A line past the rows or the slice
-    prefetches the weight's first line instead (an address that exists)."""
-    if PREFETCH > 0:
-        LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
-        offs_line = k_start + tl.arange(0, PREFETCH // LINE) * LINE
-        offsets = offs_n[:, None].to(tl.int64) * stride_wn + offs_line[None, :]
-        inside = n_mask[:, None] & (offs_line[None, :] < k_end)
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
-            "=r,l",
-            [w_ptr + tl.where(inside, offsets, 0)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -135,11 +100,11 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (n, s): BLOCK_N output columns over the s-th k_per_split-wide slice of K (all of K
-    when SPLIT_K is 1; MODE, the split and the weight prefetch: see the module)."""
+    when SPLIT_K is 1; MODE and the split: see the module)."""
+    pdl_wait(PDL)
     tile = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
@@ -148,8 +113,6 @@ def _skinny_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    prefetch_weight(w_ptr, offs_n, n_mask, stride_wn, k_start, k_end, PREFETCH)
-    pdl_wait(PDL)
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_start + offs_k)[None, :]
     if MODE == 0:
@@ -386,21 +349,7 @@ def _constexprs(
         "SPLIT_K": config["split_k"],
         "num_warps": config["num_warps"],
         "num_stages": config["num_stages"],
-    } | pdl_prefetch(config, dtype, device)
-
-
-def pdl_prefetch(config: dict, dtype: torch.dtype, device: torch.device) -> dict:
-    """`launch_options` plus the PREFETCH constexpr: with PDL on and WEIGHT_PREFETCH > 0, the K
-    values of the first min(WEIGHT_PREFETCH, num_stages) steps, rounded down to a power of two and
-    up to one 128-byte line; 0 otherwise (without PDL the kernel starts after its predecessor
-    anyway)."""
-    options = launch_options(device)
-    prefetch = 0
-    if options["PDL"] and WEIGHT_PREFETCH > 0:
-        line = 128 // dtype.itemsize
-        steps = 1 << (min(WEIGHT_PREFETCH, config["num_stages"]).bit_length() - 1)
-        prefetch = max(line, config["block_k"] * steps)
-    return options | {"PREFETCH": prefetch}
+    } | launch_options(device)
 
 
 def skinny_gemm(

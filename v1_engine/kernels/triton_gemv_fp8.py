@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels import interpreting, triton_gemv
-from v1_engine.kernels.pdl import pdl_release, pdl_wait
-from v1_engine.kernels.triton_gemv import _dot, _split_arrive, _split_sum, m_bucket, prefetch_weight
+from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
+from v1_engine.kernels.triton_gemv import _dot, _split_arrive, _split_sum, m_bucket
 
 KINDS = ("channel", "block")
 FP8_MODES = ("dot_swap",)
@@ -194,12 +194,12 @@ def _fp8_skinny_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Per-tensor/per-channel kind: program (n, s) owns BLOCK_N output columns over the s-th
     k_per_split-wide slice of K (all of K unsplit); scale strides are 0 for a per-tensor scale.
     The scales (and bias) apply once, to the summed tile."""
+    pdl_wait(PDL)
     tile = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
@@ -208,8 +208,6 @@ def _fp8_skinny_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    prefetch_weight(b_ptr, offs_n, n_mask, stride_bn, k_start, k_end, PREFETCH)
-    pdl_wait(PDL)
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + (k_start + offs_k)[None, :]
     b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -271,7 +269,6 @@ def _fp8_block_skinny_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Block-scaled kind: BLOCK_K is the scale group and BLOCK_N divides it, so each step's weight
@@ -279,6 +276,7 @@ def _fp8_block_skinny_kernel(
     Program (n, s) walks the s-th k_per_split-wide slice of K (whole groups; all of K unsplit);
     the partial sums are scaled already, so a split only adds them."""
     tile = tl.program_id(0)
+    pdl_wait(PDL)
     kb_start = tl.program_id(1) * (k_per_split // BLOCK_K)
     kb_end = tl.minimum(tl.cdiv(K, BLOCK_K), kb_start + k_per_split // BLOCK_K)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -286,9 +284,6 @@ def _fp8_block_skinny_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    k_end = tl.minimum(K, kb_end * BLOCK_K)
-    prefetch_weight(b_ptr, offs_n, n_mask, stride_bn, kb_start * BLOCK_K, k_end, PREFETCH)
-    pdl_wait(PDL)
     k_offs = kb_start * BLOCK_K + offs_k
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + k_offs[None, :]
     b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + k_offs[None, :]
@@ -408,7 +403,7 @@ def _constexprs(
         "SPLIT_K": config["split_k"],
         "num_warps": config["num_warps"],
         "num_stages": config["num_stages"],
-    } | triton_gemv.pdl_prefetch(config, FP8_DTYPE, device)
+    } | launch_options(device)
 
 
 def _check_out_dtype(out_dtype: torch.dtype) -> None:
