@@ -1,8 +1,7 @@
 """Compiles the skinny GEMMs' split-K launches (bf16, and both FP8 kinds) for sm_90 (no GPU
 needed) and prints, as JSON per case, the registers, spills and how the PTX synchronizes the
-slices. Run by test_triton_gemv.py
-in a fresh process (the kernel tests turn on Triton's interpreter, which accepts code the GPU
-compiler may reject). The launcher runs on CPU tensors with the kernel's `run` replaced by a
+slices. Run by test_triton_gemv.py in a fresh process (the kernel tests turn on Triton's
+interpreter, which accepts code the GPU compiler may reject). The launcher runs on CPU tensors with the kernel's `run` replaced by a
 recorder (as in pipeline_probe.py)."""
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ float32 and storing in x's dtype.
 each: every program stores its float32 partial tile to a workspace and counts itself in on a
 per-tile semaphore, and the last to arrive sums the partials in slice order (so results stay
 deterministic), stores the tile and resets the semaphore for the next launch, still in one
-kernel (`_split_arrive` / `_split_sum`, which the FP8 skinny kernels share). At M = 32..64 each column tile
-re-reads all of x from L2: wider tiles read it fewer times, and the split keeps their number of
-programs up; at small M a split puts more programs, so more loads, in flight per SM. Only entries
-the sweep measured faster carry a split.
+kernel (`_split_arrive` / `_split_sum`, which the FP8 skinny kernels share). At M = 32..64 each
+column tile re-reads all of x from L2: wider tiles read it fewer times, and the split keeps
+their number of programs up; at small M a split puts more programs, so more loads, in flight per
+SM. Only entries the sweep measured faster carry a split.
 
 Three bodies, picked by the launch config's `mode` (the sweep compares them):
 
@@ -185,7 +185,6 @@ def _split_sum(result, partial_ptr, arrivals_ptr, tile, offs_m, offs_n, tile_mas
     loads and that store holds the whole sum in registers (at 64 x 128 it spills)."""
     tile_offsets = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     slice_size = M.to(tl.int64) * N
-    # A fresh tile in the loads' layout (zeros_like would take the dot's, and convert each load).
     total = tl.zeros(result.shape, dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         part = partial_ptr + s * slice_size + tile_offsets

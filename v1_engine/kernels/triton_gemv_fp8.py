@@ -6,8 +6,9 @@ for large M, read it well below bandwidth there. Here, as in the bf16 skinny GEM
 whose launch keys, bodies and helpers this module shares), each program owns BLOCK_N rows of the
 weight and walks the whole of K with pipelined loads, one kernel per linear; a launch's
 `split_k` splits K over that many programs per column tile, whose float32 partials the last one
-to arrive sums in slice order (triton_gemv's split epilogue, shared). The e4m3 operands are upcast in registers to float16 (exact: every e4m3 value is an
-fp16 value, and products of two are exact in the float32 accumulator) and multiplied on tensor
+to arrive sums in slice order (triton_gemv's split epilogue, shared). The e4m3 operands are
+upcast in registers to float16 (exact: every e4m3 value is an fp16 value, and products of two
+are exact in the float32 accumulator) and multiplied on tensor
 cores with the weight tile as the left operand (triton_gemv's "dot_swap" body, FP8_MODES): on
 the H200 with Triton 3.6 the other two bodies fail to compile with e4m3 operands (the "dot" body
 at its tl.dot, the "fma" body at its float32 upcast), and "dot_swap" was the fastest body on
@@ -144,10 +145,10 @@ Split-K, `--fp8 channel|block --m 1,16,64 --split-k 2,4,8 --seconds 12` over the
 shapes (2026-12-03, RESULTS.md "Split-K for the FP8 skinny GEMMs"): block-scaled at M 1 and 16
 runs split launches (8B o_proj 14.1 -> 9.1 us, down 36.1 -> 20.2, qkv 15.7 -> 11.8; 70B o_proj
 29.8 -> 22.1, down 80.1 -> 65.2, qkv 35.9 -> 28.2) or, on the wide gate_up shapes, unsplit ones
-(1.14x); CUTLASS keeps M = 64 except 8B o_proj (a tie). `--m 2,4,8` (same run) picked the
-same launches as M = 1 and 16 on every shape swept (all but 8B gate_up, which keeps its entries).
-Per-channel CUTLASS still beat every
-split launch at M 1..64 (best 0.84-0.94x on 8B; 70B qkv 1.02-1.05x, too close to take)."""
+(1.14x); CUTLASS keeps M = 64 (8B o_proj a tie, 15.2 vs 15.1 us). `--m 2,4,8` (same run)
+picked the same launches as M = 1 and 16 on every shape swept (all but 8B gate_up, which keeps
+its entries). Per-channel CUTLASS still beat every split launch at M 1..64 (best 0.84-0.94x on
+8B; 70B qkv 1.02-1.05x, too close to take)."""
 
 
 @triton.jit
