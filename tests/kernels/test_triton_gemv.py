@@ -121,6 +121,18 @@ def test_split_k_matches_reference_and_resets_its_semaphores_interpreted(mode, m
     assert triton_gemv.k_per_split(k, launch | {"split_k": split}) == (128 if split == 2 else 96)
 
 
+def test_every_table_entry_is_a_valid_launch():
+    """Each measured entry of TUNED_LAUNCH (kernels/skinny_tuned.py) resolves at its shape: a
+    known body, tiles the body takes, a split that leaves no slice of K empty."""
+    entries = 0
+    for (m, n, k), launch in triton_gemv.TUNED_LAUNCH.items():
+        assert triton_gemv.m_bucket(m) == m, (m, n, k)
+        if launch is not None:
+            assert triton_gemv.resolve_launch(m, n, k, {}) == {"split_k": 1} | launch
+            entries += 1
+    assert entries > 0
+
+
 def test_outgrown_semaphores_stay_alive(monkeypatch):
     """A launch with more tiles than the semaphore buffer holds gets a larger one; the old buffer
     stays referenced, since CUDA graphs captured before may still point at it."""
