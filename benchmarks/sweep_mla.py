@@ -47,25 +47,31 @@ CONFIG_KEYS = ("block_h", "tile", "num_warps", "num_stages", "swap", "block_v", 
 # pipeline's buffers of tile x 576 latents (plus tile x block_v with value slices) in it, at
 # most 227 KiB on the H200, so the tile shrinks as heads and slices grow.
 _CANDIDATES_16 = [
+    # the plain form: a step's full tiles load unmasked, and with page_tile (tried right after
+    # each of the first rows) from one block id and loop-invariant offsets.
+    (16, 32, 4, 3, False, None),
+    (16, 32, 4, 2, False, None),
+    (16, 64, 8, 2, False, None),
+    (16, 32, 8, 3, False, None),
+    (16, 16, 4, 4, False, None),
+    (16, 64, 4, 2, False, None),
+    (16, 32, 4, 4, False, None),
+    (16, 64, 8, 3, False, None),
+    (16, 16, 4, 3, False, None),
+    (16, 128, 8, 2, False, None),
     # swap: the [tile, 512] latents are the M of wgmma, read from shared memory, not registers.
     # The cache rows of a step are looked up a step early, so every stage is a latent buffer
     # (the tile-32 swap form: 2 stages ~55 KiB and one buffer, 3 stages ~91 KiB and two).
-    (16, 32, 4, 2, True, None),
     (16, 32, 4, 3, True, None),
+    (16, 32, 4, 2, True, None),
     (16, 16, 4, 2, True, None),
     (16, 32, 8, 2, True, None),
     (16, 64, 4, 2, True, None),
     (16, 16, 4, 4, True, None),
-    (16, 32, 4, 4, True, None),
     (16, 64, 8, 2, True, None),
     # swap with value slices: more, smaller programs.
     (16, 32, 4, 2, True, 256),
     (16, 32, 4, 3, True, 256),
-    # the plain form
-    (16, 32, 4, 2, False, None),
-    (16, 32, 4, 3, False, None),
-    (16, 64, 8, 2, False, None),
-    (16, 128, 8, 2, False, None),
 ]
 _CANDIDATES_MANY = [
     # the 64-head tile: with the rows looked up a step early, 2 stages are two 64 x 576 buffers
@@ -108,7 +114,7 @@ REGISTER_CAPS = {
 }
 """Launch overrides timed right after the default (keyed by heads <= 16): register caps; a
 capped launch that wins is reported with its `maxnreg` (LaunchConfig has no such field yet)."""
-_PAGE_TILE_TRIES = 8
+_PAGE_TILE_TRIES = 12
 """The first candidates also run with page_tile (one block id per step) right after."""
 
 

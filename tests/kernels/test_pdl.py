@@ -17,7 +17,6 @@ PDL_KERNELS = {
     "_group_quant_kernel",
     "_merge_splits_kernel",
     "_mla_decode_kernel",
-    "_mla_merge_kernel",
     "_moe_align_kernel",
     "_moe_gemm_kernel",
     "_paged_attention_kernel",

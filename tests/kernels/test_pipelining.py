@@ -25,9 +25,11 @@ def test_paged_attention_double_buffers_k_and_v(buffers):
 
 def test_mla_decode_double_buffers_latents(buffers):
     allocs = buffers["_mla_decode_kernel"]["allocs"]
-    # A 32-token step of latents [32, 512] and rope keys [32, 64].
-    assert sorted(allocs) == [[2, 32, 64], [2, 32, 512]], allocs
-    assert buffers["_mla_decode_kernel"]["shared"] <= 227 * 1024
+    # A 32-token step of latents [32, 512] and rope keys [32, 64], double-buffered in each of
+    # the two loops (the unmasked steps, then the masked last one), which share their memory:
+    # two [2, 32, 576] bf16 buffers (73.7 KB) plus the queries, not twice that.
+    assert sorted(allocs) == [[2, 32, 64]] * 2 + [[2, 32, 512]] * 2, allocs
+    assert buffers["_mla_decode_kernel"]["shared"] <= 100 * 1024
 
 
 def programs_per_sm(registers: int, shared: int, num_warps: int) -> int:

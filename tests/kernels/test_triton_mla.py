@@ -30,8 +30,9 @@ from v1_engine.attention.backend import AttentionMetadata
 from v1_engine.attention.mla_cpu import CPUMLABackend
 from v1_engine.attention.mla_triton import TritonMLABackend
 from v1_engine.attention.selector import BACKEND_ENV_VAR, get_mla_backend
+from v1_engine.kernels import semaphores
 from v1_engine.kernels.triton_cache import write_latent_cache
-from v1_engine.kernels.triton_mla import mla_decode
+from v1_engine.kernels.triton_mla import choose_num_splits, mla_decode
 
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
 DEVICE = "cuda" if _CUDA else "cpu"
@@ -137,6 +138,29 @@ def test_decode_variants_match_reference(heads, rank, rope, variant, num_splits)
         **VARIANTS[variant],
     )
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@interpreter_only
+@pytest.mark.parametrize("launch", [{}, {"swap": True, "block_v": 16}], ids=["plain", "slices"])
+def test_split_merge_in_kernel_resets_its_semaphores(launch):
+    """The last split of each (request, head tile, value slice) merges the pieces and zeroes its
+    semaphore: a second launch on other inputs (same programs) is right too."""
+    for seed in (0, 1):
+        out, want = _run_decode(
+            [9, 40, 33], 20, 32, 16, 16, torch.float32, 3, seed=seed, tile=16, **launch
+        )
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+        assert not semaphores._SEMAPHORES[out.device].any()
+
+
+def test_choose_num_splits():
+    # DeepSeek-V2-Lite at batch 64 x 4k: 64 programs of 16 heads, two an SM on 132 SMs.
+    assert choose_num_splits(64, 4096, 32, 264) == 4
+    # 128 heads: 128 programs of 64 heads, one an SM: the 4 idle SMs do not pay for a merge.
+    assert choose_num_splits(128, 4096, 64, 132) == 1
+    assert choose_num_splits(1, 4096, 32, 264) == 32  # capped by max_splits
+    assert choose_num_splits(1, 300, 32, 264) == 2  # each split keeps >= 4 tiles
+    assert choose_num_splits(300, 4096, 32, 264) == 1
 
 
 @interpreter_only

@@ -31,8 +31,11 @@ Launch variants (LaunchConfig; the defaults are the plain form above):
 
 Split-KV (flash-decoding). With few requests the (request, head tile) programs cannot fill the
 device, so the sequence is cut into `num_splits` pieces handled by separate programs; each writes
-its output normalised by its own softmax sum plus its log-sum-exp, and a second kernel merges
-the pieces per (request, head).
+its output normalised by its own softmax sum plus its log-sum-exp and counts itself in on a
+semaphore per (request, head tile, value slice); the last to arrive merges the pieces in split
+order (deterministic) and zeroes the semaphore, all in the one kernel. (A second merge kernel
+cost ~7 us of a 64 x 4k step's ~100. The semaphores are kernels/semaphores.py's, shared with
+the split-K GEMMs: such launches must not run on two streams at once.)
 
 Only decode requests (query length 1) are served: a program whose request has another query
 length returns at once, so a mixed batch can be passed as is (prefill chunks go through the
@@ -51,7 +54,8 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels import interpreting
-from v1_engine.kernels.pdl import launch_options, pdl_enter, pdl_release, pdl_wait
+from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
+from v1_engine.kernels.semaphores import split_semaphores
 from v1_engine.kernels.triton_attention import check_paged_metadata
 
 _LOG2E = 1.4426950408889634
@@ -75,42 +79,175 @@ class LaunchConfig:
 
 
 def launch_config(num_heads: int, dot_f32: bool) -> LaunchConfig:
-    """The default launch of the decode kernel for `num_heads` query heads, from a sweep on the
-    H200 with the cache rows looked up a step early (batch 64 x 4k context, bf16, block size
-    64; benchmarks/RESULTS.md "MLA decode: cache rows looked up a step early", 2026-12-03): up
-    to 16 heads one head tile streams 32 tokens per step in the plain form, with 4 warps and 3
-    stages (101 us, 70% of HBM; the transposed form 105 us); more heads take tiles of 64 heads
-    (fewer re-reads of each latent), 64 tokens of one cache block per step, 8 warps and 2
-    stages (two 64 x 576 buffers; 3 no longer fit the shared memory)."""
+    """The default launch of the decode kernel for `num_heads` query heads, from sweeps on the
+    H200 (batch 64 x 4k context, bf16, block size 64; benchmarks/RESULTS.md, "MLA decode:
+    unmasked page-tiled steps, merge in the kernel", 2026-12-03): up to 16 heads one head tile
+    streams 32 tokens of one cache block per step in the plain form, with 4 warps and 3 stages
+    (two latent buffers); more heads take tiles of 64 heads (fewer re-reads of each latent), 64
+    tokens of one cache block per step, 8 warps and 2 stages (two 64 x 576 buffers; 3 no longer
+    fit the shared memory). A block size that the tile does not divide drops page_tile."""
     if dot_f32:
         return LaunchConfig(block_h=16, tile=16, num_warps=4, num_stages=2)
     if num_heads <= 16:
-        return LaunchConfig(block_h=16, tile=32, num_warps=4, num_stages=3)
+        return LaunchConfig(block_h=16, tile=32, num_warps=4, num_stages=3, page_tile=True)
     return LaunchConfig(block_h=64, tile=64, num_warps=8, num_stages=2, page_tile=True)
 
 
 @triton.jit
-def _cache_rows(
-    table_row,
-    cache_ptr,
-    tile,
-    offs_t,
-    seq_len,
-    stride_cb,
-    stride_cs,
-    BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr,
-    PAGE_TILE: tl.constexpr,
+def _page_offset(
+    table_row, tile, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr
 ):
-    """Row pointers of the cache entries of loop step `tile` (its TILE token positions)."""
-    if PAGE_TILE:
-        # tile < num_tiles, so the step's first token is cached and its block id is valid.
-        block_id = tl.load(table_row + tile * TILE // BLOCK_SIZE).to(tl.int64)
-        slots = (tile * TILE % BLOCK_SIZE + offs_t).to(tl.int64)
-        return cache_ptr + block_id * stride_cb + slots * stride_cs
+    """Offset into the cache of loop step `tile`'s first row, its TILE rows being consecutive
+    slots of one block (PAGE_TILE). tile < num_tiles, so the step's first token is cached and
+    its block id is valid."""
+    block_id = tl.load(table_row + tile * TILE // BLOCK_SIZE).to(tl.int64)
+    return block_id * stride_cb + (tile * TILE % BLOCK_SIZE) * stride_cs
+
+
+@triton.jit
+def _row_offsets(
+    table_row, tile, offs_t, seq_len, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+):  # fmt: skip
+    """Offsets into the cache of loop step `tile`'s rows, one per token position (positions
+    past seq_len read block 0: their loads are masked)."""
     pos = tile * TILE + offs_t
     block_id = tl.load(table_row + pos // BLOCK_SIZE, mask=pos < seq_len, other=0).to(tl.int64)
-    return cache_ptr + block_id * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
+    return block_id * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
+
+
+@triton.jit
+def _load_rows(ptrs, row_valid, col_valid, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """A [rows, cols] cache tile; masks only where a constexpr says a row or column can be out
+    of range (a full step of a latent whose width is a power of two loads unmasked)."""
+    if MASK_ROWS and MASK_COLS:
+        return tl.load(ptrs, mask=row_valid[:, None] & col_valid[None, :], other=0.0)
+    elif MASK_ROWS:
+        return tl.load(ptrs, mask=row_valid[:, None], other=0.0)
+    elif MASK_COLS:
+        return tl.load(ptrs, mask=col_valid[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _mla_tiles(
+    m_i,
+    l_i,
+    acc,
+    q_nope,
+    q_pe,
+    tile_lo,
+    tile_hi,
+    seq_len,
+    table_row,
+    cache_ptr,
+    scale_log2,
+    dims,
+    dim_valid,
+    rope_dims,
+    rope_valid,
+    v_dims,
+    v_valid,
+    stride_cb,
+    stride_cs,
+    RANK: tl.constexpr,
+    ROPE: tl.constexpr,
+    RANK_PAD: tl.constexpr,
+    ROPE_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    SWAP: tl.constexpr,
+    PAGE_TILE: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over the loop steps [tile_lo, tile_hi); MASKED masks the positions past
+    seq_len (off for steps whose TILE tokens are all cached: all but a sequence's last)."""
+    offs_t = tl.arange(0, TILE)
+    if PAGE_TILE:
+        # Loop-invariant offsets of a step's rows from its first: a step then costs one scalar
+        # lookup and one pointer add per loaded vector, not a 64-bit row address per token.
+        latent_offs = offs_t[:, None] * stride_cs + dims[None, :]
+        rope_offs = offs_t[:, None] * stride_cs + RANK + rope_dims[None, :]
+        value_offs = offs_t[:, None] * stride_cs + v_dims[None, :]
+    # A step's cache rows are looked up one step early (loop-carried; an empty range looks up a
+    # valid step, never used). With the lookup inside the step Triton's pipeliner spent a stage
+    # on the block-id -> latent chain and left one latent buffer; now every stage is one
+    # (test_pipelining.py). As in paged attention, the compiled loop may still order a step's
+    # copies after the same iteration's table load.
+    first = tl.maximum(tl.minimum(tile_lo, tile_hi - 1), 0)
+    if PAGE_TILE:
+        next_off = _page_offset(table_row, first, stride_cb, stride_cs, BLOCK_SIZE, TILE)
+    else:
+        next_off = _row_offsets(
+            table_row, first, offs_t, seq_len, stride_cb, stride_cs, BLOCK_SIZE, TILE
+        )
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * TILE + offs_t
+        pos_valid = pos < seq_len
+        off = next_off
+        following = tl.minimum(tile + 1, tile_hi - 1)
+        if PAGE_TILE:
+            next_off = _page_offset(table_row, following, stride_cb, stride_cs, BLOCK_SIZE, TILE)
+        else:
+            next_off = _row_offsets(
+                table_row, following, offs_t, seq_len, stride_cb, stride_cs, BLOCK_SIZE, TILE
+            )
+        if PAGE_TILE:
+            base = cache_ptr + off
+            latent_ptrs = base + latent_offs
+            rope_ptrs = base + rope_offs
+            value_ptrs = base + value_offs
+        else:
+            rows = cache_ptr + off
+            latent_ptrs = rows[:, None] + dims[None, :]
+            rope_ptrs = rows[:, None] + RANK + rope_dims[None, :]
+            value_ptrs = rows[:, None] + v_dims[None, :]
+        latent = _load_rows(latent_ptrs, pos_valid, dim_valid, MASKED, RANK != RANK_PAD)
+        k_pe = _load_rows(rope_ptrs, pos_valid, rope_valid, MASKED, ROPE != ROPE_PAD)
+        if DOT_F32:
+            latent = latent.to(tl.float32)
+            k_pe = k_pe.to(tl.float32)
+        if BLOCK_V == RANK_PAD:
+            latent_v = latent
+        else:
+            latent_v = _load_rows(value_ptrs, pos_valid, v_valid, MASKED, True)
+            if DOT_F32:
+                latent_v = latent_v.to(tl.float32)
+        if SWAP:
+            scores = tl.dot(latent, tl.trans(q_nope), input_precision=DOT_PRECISION)
+            scores = tl.dot(k_pe, tl.trans(q_pe), acc=scores, input_precision=DOT_PRECISION)
+            scores = scores * scale_log2
+            if MASKED:
+                scores = tl.where(pos_valid[:, None], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 0))
+            p = tl.exp2(scores - m_new[None, :])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha[None, :]
+            acc = tl.dot(
+                tl.trans(latent_v),
+                p.to(latent_v.dtype),
+                acc=acc,
+                input_precision=DOT_PRECISION,
+            )
+        else:
+            scores = tl.dot(q_nope, tl.trans(latent), input_precision=DOT_PRECISION)
+            scores = tl.dot(q_pe, tl.trans(k_pe), acc=scores, input_precision=DOT_PRECISION)
+            scores = scores * scale_log2
+            if MASKED:
+                scores = tl.where(pos_valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.exp2(scores - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(latent_v.dtype), latent_v, acc=acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -118,6 +255,7 @@ def _mla_decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    arrivals_ptr,
     q_nope_ptr,
     q_pe_ptr,
     cache_ptr,
@@ -147,6 +285,7 @@ def _mla_decode_kernel(
     SWAP: tl.constexpr,
     PAGE_TILE: tl.constexpr,
     USE_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
     DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
@@ -203,72 +342,21 @@ def _mla_decode_kernel(
         acc = tl.zeros([BLOCK_V, BLOCK_H], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
-    offs_t = tl.arange(0, TILE)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    # A step's cache rows are looked up one step early (loop-carried; an empty split looks up a
-    # valid step, never used). With the lookup inside the step Triton's pipeliner spent a stage
-    # on the block-id -> latent chain and left one latent buffer; now every stage is one
-    # (test_pipelining.py). As in paged attention, the compiled loop may still order a step's
-    # copies after the same iteration's table load.
-    next_row = _cache_rows(
-        table_row, cache_ptr, tl.maximum(tl.minimum(tile_lo, num_tiles - 1), 0), offs_t,
-        seq_len, stride_cb, stride_cs, BLOCK_SIZE, TILE, PAGE_TILE,
+    # Steps whose TILE tokens are all cached load unmasked; only a sequence's last step pays.
+    full_hi = tl.maximum(tl.minimum(seq_len // TILE, tile_hi), tile_lo)
+    m_i, l_i, acc = _mla_tiles(
+        m_i, l_i, acc, q_nope, q_pe, tile_lo, full_hi, seq_len, table_row, cache_ptr, scale_log2,
+        dims, dim_valid, rope_dims, rope_valid, v_dims, v_valid, stride_cb, stride_cs, RANK, ROPE,
+        RANK_PAD, ROPE_PAD, BLOCK_SIZE, TILE, BLOCK_V, SWAP, PAGE_TILE, False, DOT_F32,
+        DOT_PRECISION,
     )  # fmt: skip
-    for tile in range(tile_lo, tile_hi):
-        pos = tile * TILE + offs_t
-        pos_valid = pos < seq_len
-        row = next_row
-        next_row = _cache_rows(
-            table_row, cache_ptr, tl.minimum(tile + 1, tile_hi - 1), offs_t, seq_len, stride_cb,
-            stride_cs, BLOCK_SIZE, TILE, PAGE_TILE,
-        )  # fmt: skip
-        latent = tl.load(
-            row[:, None] + dims[None, :], mask=pos_valid[:, None] & dim_valid[None, :], other=0.0
-        )
-        k_pe = tl.load(
-            row[:, None] + RANK + rope_dims[None, :],
-            mask=pos_valid[:, None] & rope_valid[None, :],
-            other=0.0,
-        )
-        if DOT_F32:
-            latent = latent.to(tl.float32)
-            k_pe = k_pe.to(tl.float32)
-        if BLOCK_V == RANK_PAD:
-            latent_v = latent
-        else:
-            latent_v = tl.load(
-                row[:, None] + v_dims[None, :],
-                mask=pos_valid[:, None] & v_valid[None, :],
-                other=0.0,
-            )
-            if DOT_F32:
-                latent_v = latent_v.to(tl.float32)
-        if SWAP:
-            scores = tl.dot(latent, tl.trans(q_nope), input_precision=DOT_PRECISION)
-            scores = tl.dot(k_pe, tl.trans(q_pe), acc=scores, input_precision=DOT_PRECISION)
-            scores = tl.where(pos_valid[:, None], scores * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 0))
-            p = tl.exp2(scores - m_new[None, :])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 0)
-            acc = acc * alpha[None, :]
-            acc = tl.dot(
-                tl.trans(latent_v),
-                p.to(latent_v.dtype),
-                acc=acc,
-                input_precision=DOT_PRECISION,
-            )
-        else:
-            scores = tl.dot(q_nope, tl.trans(latent), input_precision=DOT_PRECISION)
-            scores = tl.dot(q_pe, tl.trans(k_pe), acc=scores, input_precision=DOT_PRECISION)
-            scores = tl.where(pos_valid[None, :], scores * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.exp2(scores - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(latent_v.dtype), latent_v, acc=acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = _mla_tiles(
+        m_i, l_i, acc, q_nope, q_pe, full_hi, tile_hi, seq_len, table_row, cache_ptr, scale_log2,
+        dims, dim_valid, rope_dims, rope_valid, v_dims, v_valid, stride_cb, stride_cs, RANK, ROPE,
+        RANK_PAD, ROPE_PAD, BLOCK_SIZE, TILE, BLOCK_V, SWAP, PAGE_TILE, True, DOT_F32,
+        DOT_PRECISION,
+    )  # fmt: skip
 
     pdl_release(PDL)
     if SWAP:
@@ -276,16 +364,28 @@ def _mla_decode_kernel(
     result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if USE_SPLITS:
         # Partials: out [num_reqs, NUM_HEADS, num_splits, RANK_PAD] (this program's value slice)
-        # and lse [.., num_splits] (log2).
+        # and lse [.., num_splits] (log2; every value slice stores the same values). The last
+        # split of a (request, head tile, value slice) to arrive merges them.
         stat_off = (req.to(tl.int64) * NUM_HEADS + heads) * num_splits + split
-        if v_slice == 0:  # every value slice computes the same lse; one writes it
-            lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-            tl.store(part_lse_ptr + stat_off, lse, mask=head_valid)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + stat_off, lse, mask=head_valid)
         tl.store(
             part_out_ptr + stat_off[:, None] * RANK_PAD + v_dims[None, :],
             result,
             mask=head_valid[:, None],
         )
+        # The barrier orders every thread's stores before the one thread's atomic, whose
+        # release publishes them; its acquire in the last program makes the other splits'
+        # visible there (read past L1: .cg).
+        tl.debug_barrier()
+        semaphore = arrivals_ptr + req * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(semaphore, 1, sem="acq_rel") == num_splits - 1:
+            _merge_splits(
+                out_ptr, part_out_ptr, part_lse_ptr, token, req, heads, head_valid,
+                v_slice * BLOCK_V, num_splits, stride_ot, stride_oh, NUM_HEADS, RANK, RANK_PAD,
+                BLOCK_H, BLOCK_V, SPLITS_PAD,
+            )  # fmt: skip
+            tl.atomic_xchg(semaphore, 0)  # zero again for the next launch
     else:
         tl.store(
             out_ptr + token * stride_ot + heads[:, None] * stride_oh + v_dims[None, :],
@@ -294,44 +394,65 @@ def _mla_decode_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _mla_merge_kernel(
+@triton.jit
+def _merge_splits(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    query_start_loc_ptr,
+    token,
+    req,
+    heads,
+    head_valid,
+    v_start,
     num_splits,
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
     RANK: tl.constexpr,
     RANK_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_V: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    """out[token, h] = sum_s 2^(lse_s - max lse) * o_s / sum_s 2^(lse_s - max lse)."""
-    pdl_enter(PDL)
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    q_start = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) - q_start != 1:
-        return
+    """out[token, h] = sum_s 2^(lse_s - max lse) * o_s / sum_s 2^(lse_s - max lse) for the
+    program's heads and its value dims [v_start, v_start + BLOCK_V), in a fixed order
+    (deterministic whichever split arrives last). The merging program is the kernel's tail, so
+    every split's piece of a chunk of dims is loaded at once ([SPLITS_PAD, BLOCK_H, CHUNK], at
+    most 8192 values: 64 a thread at 4 warps), not one split after another."""
     splits = tl.arange(0, SPLITS_PAD)
-    stat_base = (req.to(tl.int64) * NUM_HEADS + head) * num_splits
-    lse = tl.load(part_lse_ptr + stat_base + splits, mask=splits < num_splits, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    weights = tl.exp2(lse - lse_max)
-    total = tl.sum(weights, 0)
-    dims = tl.arange(0, RANK_PAD)
-    acc = tl.zeros([RANK_PAD], dtype=tl.float32)
-    for s in range(num_splits):
-        weight = tl.exp2(tl.load(part_lse_ptr + stat_base + s) - lse_max)
-        acc += weight * tl.load(part_out_ptr + (stat_base + s) * RANK_PAD + dims)
-    tl.store(
-        out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + dims,
-        (acc / total).to(out_ptr.dtype.element_ty),
-        mask=dims < RANK,
+    stat_base = (req.to(tl.int64) * NUM_HEADS + heads) * num_splits
+    lse = tl.load(
+        part_lse_ptr + stat_base[:, None] + splits[None, :],
+        mask=head_valid[:, None] & (splits[None, :] < num_splits),
+        other=float("-inf"),
+        cache_modifier=".cg",
     )
+    # Padding heads see only -inf: a finite max keeps their (unstored) rows free of NaN.
+    lse_max = tl.max(lse, 1)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.sum(tl.exp2(lse - lse_max[:, None]), 1)
+    total = tl.where(total > 0.0, total, 1.0)
+    FIT: tl.constexpr = 8192 // (SPLITS_PAD * BLOCK_H)
+    # (Python min/max would make a tensor here, not a constexpr.)
+    CHUNK: tl.constexpr = BLOCK_V if BLOCK_V <= FIT else (FIT if FIT >= 32 else 32)  # noqa: FURB136
+    weights = tl.exp2(lse - lse_max[:, None])  # [BLOCK_H, SPLITS_PAD], 0 past num_splits
+    weights = tl.trans(weights)[:, :, None] / total[None, :, None]
+    split_rows = (stat_base[None, :] + splits[:, None])[:, :, None] * RANK_PAD
+    row_mask = (splits[:, None] < num_splits) & head_valid[None, :]
+    for v0 in tl.static_range(0, BLOCK_V, CHUNK):
+        dims = v_start + v0 + tl.arange(0, CHUNK)
+        parts = tl.load(
+            part_out_ptr + split_rows + dims[None, None, :],
+            mask=row_mask[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        merged = tl.sum(weights * parts, 0)
+        tl.store(
+            out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+            merged.to(out_ptr.dtype.element_ty),
+            mask=head_valid[:, None] & (dims < RANK)[None, :],
+        )
 
 
 @lru_cache(maxsize=8)
@@ -342,11 +463,11 @@ def _num_sms(device_index: int) -> int:
 def choose_num_splits(
     num_programs: int, max_seq_len: int, tile: int, target_programs: int, max_splits: int = 32
 ) -> int:
-    """Split-KV factor (a power of two, 1 = none): enough programs to fill `target_programs`,
-    while each split keeps at least four tiles of keys."""
-    if num_programs >= target_programs:
-        return 1
-    by_occupancy = -(-target_programs // max(num_programs, 1))
+    """Split-KV factor (a power of two, 1 = none): the most whole copies of the programs that fit
+    in `target_programs` (rounded down: 128 programs on 132 slots stay unsplit, where a split's
+    merge would cost more than the 4 idle slots), while each split keeps at least four tiles of
+    keys."""
+    by_occupancy = target_programs // max(num_programs, 1)
     by_length = max_seq_len // (4 * tile)
     splits = min(by_occupancy, by_length, max_splits)
     if splits < 2:
@@ -354,12 +475,12 @@ def choose_num_splits(
     return 1 << (splits.bit_length() - 1)
 
 
-def _target_programs(device: torch.device) -> int:
-    """Programs that keep the device's memory pipes full: two per SM on a GPU (the sweep's best
-    split count at batch 64 x 4k gives about that many)."""
+def _target_programs(device: torch.device, per_sm: int) -> int:
+    """Programs that fill the device: `per_sm` on each SM on a GPU (as many as its shared memory
+    holds), a token amount elsewhere."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return 2 * _num_sms(index)
+        return per_sm * _num_sms(index)
     return 8
 
 
@@ -438,7 +559,9 @@ def mla_decode(
             num_reqs * num_head_tiles * num_v_slices,
             max_seq_len,
             tile,
-            _target_programs(q_nope.device),
+            # A 16-head program's latent buffers take ~93 KB (two fit an SM), a 64-head one's
+            # ~220 KB (one does).
+            _target_programs(q_nope.device, 2 if block_h * tile <= 16 * 64 else 1),
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -450,12 +573,14 @@ def mla_decode(
         part_lse = torch.empty(
             (num_reqs, num_heads, num_splits), dtype=torch.float32, device=q_nope.device
         )
+        arrivals = split_semaphores(q_nope.device, num_reqs * num_head_tiles * num_v_slices)
     else:
-        part_out = part_lse = output  # unused by the kernel
+        part_out = part_lse = arrivals = output  # unused by the kernel
     _mla_decode_kernel[(num_head_tiles * num_v_slices, num_reqs, num_splits)](
         output,
         part_out,
         part_lse,
+        arrivals,
         q_nope,
         q_pe,
         kv_cache,
@@ -485,6 +610,7 @@ def mla_decode(
         SWAP=bool(swap),
         PAGE_TILE=bool(page_tile),
         USE_SPLITS=use_splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         DOT_F32=dot_f32,
         DOT_PRECISION="ieee" if dot_f32 else "tf32",
         num_warps=num_warps,
@@ -492,22 +618,6 @@ def mla_decode(
         **({"maxnreg": maxnreg} if maxnreg is not None and not interpreting() else {}),
         **launch_options(q_nope.device),
     )
-    if use_splits:
-        _mla_merge_kernel[(num_reqs, num_heads)](
-            output,
-            part_out,
-            part_lse,
-            query_start_loc,
-            num_splits,
-            output.stride(0),
-            output.stride(1),
-            NUM_HEADS=num_heads,
-            RANK=rank,
-            RANK_PAD=rank_pad,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4,
-            **launch_options(q_nope.device),
-        )
 
 
 def _check_args(
