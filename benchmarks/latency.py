@@ -96,11 +96,20 @@ def main() -> None:
     parser.add_argument(
         "--quantization", default=None, choices=("fp8",), help="fp8: online FP8 weights"
     )
+    parser.add_argument(
+        "--fusion-passes",
+        default=None,
+        help="comma-separated fusion passes to apply instead of the default set (A/B of a pass)",
+    )
     parser.add_argument("--append", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     prefill_lens = [int(n) for n in args.prefill_lens.split(",") if n]
 
+    compilation: int | dict = args.compilation_level
+    if args.fusion_passes is not None:
+        passes = [p for p in args.fusion_passes.split(",") if p]
+        compilation = {"level": args.compilation_level, "fusion_passes": passes}
     shape = ModelShape.from_config(args.model)
     longest = max(prefill_lens + [args.input_len + args.decode_steps + 1]) + 128
     path, note = model_dir(args.model, min_positions=longest)
@@ -114,12 +123,14 @@ def main() -> None:
         max_num_batched_tokens=max(longest, 8192, max(batch_sizes) * args.input_len),
         max_num_seqs=max(batch_sizes),
         enable_prefix_caching=False,
-        compilation_config=args.compilation_level,
+        compilation_config=compilation,
         gpu_memory_utilization=args.gpu_memory_utilization,
         quantization=args.quantization,
     )
     timed_generate(llm, random_prompts(2, args.input_len, shape.vocab, 99), 4)  # warm-up
     mode = "eager -O0" if args.compilation_level == 0 else f"compiled -O{args.compilation_level}"
+    if args.fusion_passes is not None:
+        mode += f", fusion passes [{args.fusion_passes}]"
 
     lines = [
         (
