@@ -12,11 +12,20 @@ drop those that do not fit the device; then they are timed in order until the he
 budget (compiling included) runs out.
 
     python benchmarks/sweep_mla.py --heads 16,128 --seconds 60
+
+`--baseline FILE` first times the default launch of another version of the kernel module next to
+this one's, each inside a CUDA graph of 10 calls (as the decode graphs run it), best of three
+interleaved rounds, with the largest difference between their outputs (an A/B of a kernel
+change); `--seconds 0` then skips the sweep:
+
+    git show HEAD:v1_engine/kernels/triton_mla.py > /tmp/mla_head.py
+    python benchmarks/sweep_mla.py --heads 16,128 --seconds 0 --baseline /tmp/mla_head.py
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import multiprocessing
 import os
 import sys
@@ -194,6 +203,43 @@ def precompile(
     return failed
 
 
+def load_baseline(path: str):
+    """`mla_decode` of another version of triton_mla.py (a file path)."""
+    spec = importlib.util.spec_from_file_location("baseline_triton_mla", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline {path!r} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.mla_decode
+
+
+def compare(heads: int, batch: int, context: int, block_size: int, baseline) -> None:
+    """Default launch of this kernel vs `baseline`'s, in CUDA graphs, best of 3 rounds."""
+    q_nope, q_pe, cache, table, lens, starts, out = make_inputs(heads, batch, context, block_size)
+    nbytes = mla_decode_bytes([context] * batch, RANK, ROPE, 2)
+    results = {}
+    for name, kernel in (("baseline", baseline), ("this", mla_decode)):
+        kernel(q_nope, q_pe, cache, table, lens, starts, context, 0.1, out)  # compile, allocate
+        torch.cuda.synchronize()
+        results[name] = [out.float().clone(), None, float("inf")]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(10):
+                kernel(q_nope, q_pe, cache, table, lens, starts, context, 0.1, out)
+        results[name][1] = graph
+    for _ in range(3):
+        for entry in results.values():
+            us = triton.testing.do_bench(entry[1].replay, warmup=10, rep=60) * 1e3 / 10
+            entry[2] = min(entry[2], us)
+    diff = (results["this"][0] - results["baseline"][0]).abs().max().item()
+    print(f"heads {heads}, batch {batch} x {context}, block size {block_size}:", flush=True)
+    for name, (_, _, us) in results.items():
+        rate = nbytes / (us * 1e-6)
+        print(f"  {name:8} {us:7.1f} us  {rate / 1e12:.2f} TB/s ({rate / HBM_BYTES_PER_S:.1%})")
+    print(f"  largest output difference {diff:.2e}", flush=True)
+
+
 def suggested(launch: dict) -> LaunchConfig:
     return LaunchConfig(**{k: launch[k] for k in CONFIG_KEYS})
 
@@ -281,16 +327,26 @@ def main() -> None:
         default=min(16, os.cpu_count() or 1),
         help="compile worker processes (0: compile on first use)",
     )
+    parser.add_argument(
+        "--baseline", default=None, help="another triton_mla.py whose default is timed first"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_mla.py needs a CUDA GPU")
     torch.manual_seed(0)
+    head_counts = [int(h) for h in args.heads.split(",") if h]
+    if args.baseline:
+        baseline = load_baseline(args.baseline)
+        for heads in head_counts:
+            compare(heads, args.batch, args.context, args.block_size, baseline)
+        if args.seconds <= 0:
+            return
     pool = None
     if args.workers > 0:
         context = multiprocessing.get_context("spawn")
         pool = ProcessPoolExecutor(args.workers, mp_context=context)
     try:
-        for heads in (int(h) for h in args.heads.split(",") if h):
+        for heads in head_counts:
             sweep(heads, args.batch, args.context, args.block_size, args.seconds, pool)
     finally:
         if pool is not None:

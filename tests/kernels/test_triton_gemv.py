@@ -21,6 +21,7 @@ if not _CUDA:
     if "v1_engine.kernels.triton_gemv" in sys.modules:
         importlib.reload(sys.modules["v1_engine.kernels.triton_gemv"])
 
+from v1_engine.kernels import semaphores
 from v1_engine.layers.quantization.base import UnquantizedLinearMethod
 
 triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
@@ -117,7 +118,7 @@ def test_split_k_matches_reference_and_resets_its_semaphores_interpreted(mode, m
         assert_matches(out, reference(x, w, bias), k)
         # Deterministic: the partials are summed in slice order, whichever program is last.
         assert torch.equal(out, triton_gemv.skinny_gemm(x, w, bias, split_k=split, **launch))
-        assert not triton_gemv._ARRIVALS[x.device].any()
+        assert not semaphores._SEMAPHORES[x.device].any()
     assert triton_gemv.k_per_split(k, launch | {"split_k": split}) == (128 if split == 2 else 96)
 
 
@@ -136,15 +137,15 @@ def test_every_table_entry_is_a_valid_launch():
 def test_outgrown_semaphores_stay_alive(monkeypatch):
     """A launch with more tiles than the semaphore buffer holds gets a larger one; the old buffer
     stays referenced, since CUDA graphs captured before may still point at it."""
-    monkeypatch.setattr(triton_gemv, "_ARRIVALS", {})
-    monkeypatch.setattr(triton_gemv, "_OUTGROWN", [])
+    monkeypatch.setattr(semaphores, "_SEMAPHORES", {})
+    monkeypatch.setattr(semaphores, "_OUTGROWN", [])
     device = torch.device("cpu")
-    first = triton_gemv._arrivals(device, 10)
+    first = semaphores.split_semaphores(device, 10)
     assert first.numel() == 4096 and not first.any()
-    assert triton_gemv._arrivals(device, 4096) is first
-    second = triton_gemv._arrivals(device, 5000)
-    assert second.numel() == 5000 and triton_gemv._arrivals(device, 1) is second
-    assert len(triton_gemv._OUTGROWN) == 1 and triton_gemv._OUTGROWN[0] is first
+    assert semaphores.split_semaphores(device, 4096) is first
+    second = semaphores.split_semaphores(device, 5000)
+    assert second.numel() == 5000 and semaphores.split_semaphores(device, 1) is second
+    assert len(semaphores._OUTGROWN) == 1 and semaphores._OUTGROWN[0] is first
 
 
 def test_split_k_compiles_for_sm90(run_compile_probe):
@@ -353,7 +354,7 @@ def test_split_k_on_device_gpu(mode, m, split):
     assert_matches(out, reference(x, w, None), k)
     for _ in range(3):
         assert torch.equal(triton_gemv.skinny_gemm(x, w, split_k=split, **launch), out)
-    assert not triton_gemv._ARRIVALS[x.device].any()
+    assert not semaphores._SEMAPHORES[x.device].any()
 
 
 @pytest.mark.gpu

@@ -26,7 +26,7 @@ if not _CUDA:
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 
-from v1_engine.kernels import fp8
+from v1_engine.kernels import fp8, semaphores
 from v1_engine.kernels.fp8 import FP8_DTYPE
 from v1_engine.layers.quantization.fp8_moe import quantize_matrix_block_fp8
 
@@ -158,7 +158,7 @@ def test_channel_split_k_matches_reference_interpreted(m, split):
         assert_matches(out, fp8.scaled_mm_ref(a, b, scale_a, scale_b, torch.bfloat16, bias))
         again = skinny.fp8_skinny_gemm(a, b, scale_a, scale_b, torch.bfloat16, bias, **launch)
         assert torch.equal(out, again)
-        assert not triton_gemv._ARRIVALS[a.device].any()
+        assert not semaphores._SEMAPHORES[a.device].any()
 
 
 @interpreter_only
@@ -176,7 +176,7 @@ def test_block_split_k_matches_reference_interpreted(m, k, split):
     assert torch.equal(
         out, skinny.fp8_block_skinny_gemm(a, b, scale_a, scale_b, torch.bfloat16, **launch)
     )
-    assert not triton_gemv._ARRIVALS[a.device].any()
+    assert not semaphores._SEMAPHORES[a.device].any()
 
 
 @interpreter_only
@@ -453,7 +453,7 @@ def test_split_k_llama3_shapes_gpu(kind, name, m, split):
     assert_matches(out, ref)
     assert torch.equal(kernel(*args, **launch), out)
     torch.cuda.synchronize()
-    assert not triton_gemv._ARRIVALS[a.device].any()
+    assert not semaphores._SEMAPHORES[a.device].any()
 
 
 @pytest.mark.gpu

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from v1_engine.kernels import interpreting
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
+from v1_engine.kernels.semaphores import split_semaphores
 from v1_engine.kernels.skinny_tuned import TUNED_LAUNCH
 
 SKINNY_MAX_M = 64
@@ -297,31 +298,6 @@ def k_per_split(k: int, config: dict) -> int:
     return -(-k_steps // config["split_k"]) * config["block_k"]
 
 
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-"""Per device: the split launches' per-tile semaphores, zero between launches (the last program
-of a tile resets its own). Shared by every split launch on the device, so such launches must not
-run concurrently on two streams (the engine runs its forward on one)."""
-_OUTGROWN: list[torch.Tensor] = []
-"""Semaphore buffers replaced by a larger one, never freed: CUDA graphs may have captured them."""
-
-
-def _arrivals(device: torch.device, tiles: int) -> torch.Tensor:
-    """At least `tiles` zeroed semaphores on `device`, allocated (or grown) outside CUDA graph
-    capture: a capture may only reuse them (the engine's warm-up runs every shape eagerly first)."""
-    arrivals = _ARRIVALS.get(device)
-    if arrivals is None or arrivals.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "a split-K skinny GEMM was first launched during CUDA graph capture: run the "
-                "shape once eagerly first, so its semaphores exist outside the graph"
-            )
-        if arrivals is not None:  # graphs captured on it still point there: keep it alive
-            _OUTGROWN.append(arrivals)
-        arrivals = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _ARRIVALS[device] = arrivals
-    return arrivals
-
-
 def split_workspace(out: torch.Tensor, tiles: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A split launch's (partials [split, M, N] float32, semaphores) for output `out` [M, N] over
     `tiles` column tiles; for an unsplit launch (split 1) both are `out`, never read."""
@@ -329,7 +305,7 @@ def split_workspace(out: torch.Tensor, tiles: int, split: int) -> tuple[torch.Te
         return out, out
     m, n = out.shape
     partials = torch.empty((split, m, n), dtype=torch.float32, device=out.device)
-    return partials, _arrivals(out.device, tiles)
+    return partials, split_semaphores(out.device, tiles)
 
 
 def _constexprs(
