@@ -336,11 +336,12 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _target_programs(device: torch.device) -> int:
-    """Programs that keep the device busy: two per SM on a GPU, a token amount elsewhere."""
+def target_programs(device: torch.device, per_sm: int = 2) -> int:
+    """Programs that keep the device busy: `per_sm` on each SM on a GPU (as many as fit one:
+    two for the decode kernels here and MLA's 16-head tiles), a token amount elsewhere."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return 2 * _num_sms(index)
+        return per_sm * _num_sms(index)
     return 8
 
 
@@ -441,7 +442,7 @@ def paged_attention(
     if num_splits is None:
         useful_programs = min(num_q_blocks, num_reqs * -(-max_query_len // block_q)) * num_kv_heads
         num_splits = choose_num_splits(
-            useful_programs, max_query_len, max_seq_len, tile, _target_programs(query.device)
+            useful_programs, max_query_len, max_seq_len, tile, target_programs(query.device)
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")

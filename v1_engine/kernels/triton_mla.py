@@ -47,7 +47,6 @@ graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
@@ -56,7 +55,7 @@ import triton.language as tl
 from v1_engine.kernels import interpreting
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
-from v1_engine.kernels.triton_attention import check_paged_metadata
+from v1_engine.kernels.triton_attention import check_paged_metadata, target_programs
 
 _LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -458,11 +457,6 @@ def _merge_splits(
         )
 
 
-@lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(
     num_programs: int, max_seq_len: int, tile: int, target_programs: int, max_splits: int = 32
 ) -> int:
@@ -476,15 +470,6 @@ def choose_num_splits(
     if splits < 2:
         return 1
     return 1 << (splits.bit_length() - 1)
-
-
-def _target_programs(device: torch.device, per_sm: int) -> int:
-    """Programs that fill the device: `per_sm` on each SM on a GPU (as many as its shared memory
-    holds), a token amount elsewhere."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return per_sm * _num_sms(index)
-    return 8
 
 
 def mla_decode(
@@ -564,7 +549,7 @@ def mla_decode(
             tile,
             # A 16-head program's latent buffers take ~93 KB (two fit an SM), a 64-head one's
             # ~220 KB (one does).
-            _target_programs(q_nope.device, 2 if block_h * tile <= 16 * 64 else 1),
+            target_programs(q_nope.device, 2 if block_h * tile <= 16 * 64 else 1),
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
