@@ -122,7 +122,8 @@ class Collector:
 
 def make_client(model: str = "fake", **kwargs) -> tuple[EngineCoreProcClient, Collector]:
     collector = Collector()
-    config = EngineConfig.from_kwargs(model=model, max_model_len=128)
+    # As the front-end sends it: resolved (prepare_engine_config), so with a block size.
+    config = EngineConfig.from_kwargs(model=model, max_model_len=128, block_size=16)
     client = EngineCoreProcClient(
         config, collector.on_outputs, collector.on_dead, core_factory=FAKE_CORE, **kwargs
     )

@@ -312,3 +312,22 @@ def test_traces_as_one_graph_with_opaque_mla_and_moe_ops(tmp_path):
     compiled = LatentPagedDriver(ours).step(steps)
     for want, got in zip(eager, compiled):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_latent_cache_defaults_to_64_token_blocks(tmp_path):
+    """With no block_size asked for, a DeepSeek model's latent cache gets 64-token blocks (its
+    decode kernel's page-tiled steps) and other models 16; an explicit size is kept."""
+    from transformers import LlamaConfig
+
+    from v1_engine.config import EngineConfig, default_block_size
+    from v1_engine.engine.prepare import prepare_engine_config
+
+    save_tiny_deepseek("v3-yarn-grouped-mtp", tmp_path)
+    config = EngineConfig.from_kwargs(model=str(tmp_path))
+    assert config.cache_config.block_size is None
+    prepare_engine_config(config)
+    assert config.cache_config.block_size == 64
+    config = EngineConfig.from_kwargs(model=str(tmp_path), block_size=16)
+    prepare_engine_config(config)
+    assert config.cache_config.block_size == 16
+    assert default_block_size(LlamaConfig()) == 16

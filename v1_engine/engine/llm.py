@@ -37,7 +37,7 @@ class LLM:
         max_model_len: int | None = None,
         max_num_batched_tokens: int | None = None,
         max_num_seqs: int | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         num_kv_blocks: int | None = None,
         enable_prefix_caching: bool = True,
         seed: int = 0,

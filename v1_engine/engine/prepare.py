@@ -1,15 +1,16 @@
 """Resolve the parts of an EngineConfig that depend on the model, once, in the front-end.
 
 The front-end resolves the model path (converting a GGUF file to the cached HF directory at
-most once), reads the model's config and fixes max_model_len and the scheduler limits; the core
-process then receives a fully resolved config and never converts or guesses again.
+most once), reads the model's config and fixes max_model_len, the cache block size and the
+scheduler limits; the core process then receives a fully resolved config and never converts or
+guesses again.
 """
 
 from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from v1_engine.config import EngineConfig
+from v1_engine.config import EngineConfig, default_block_size
 from v1_engine.models.loader import load_hf_config, resolve_model_path
 
 
@@ -23,7 +24,7 @@ def prepare_engine_config(config: EngineConfig) -> PretrainedConfig:
     if mc.served_model_name is None:
         mc.served_model_name = default_served_name(original)
     hf_config = load_hf_config(path)
-    config.resolve_model_facts(_max_positions(hf_config))
+    config.resolve_model_facts(_max_positions(hf_config), default_block_size(hf_config))
     return hf_config
 
 
