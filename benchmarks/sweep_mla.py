@@ -25,6 +25,7 @@ change); `--seconds 0` then skips the sweep:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import multiprocessing
 import os
@@ -240,8 +241,10 @@ def compare(heads: int, batch: int, context: int, block_size: int, baseline) -> 
     print(f"  largest output difference {diff:.2e}", flush=True)
 
 
-def suggested(launch: dict) -> LaunchConfig:
-    return LaunchConfig(**{k: launch[k] for k in CONFIG_KEYS})
+def suggested(launch: dict, heads: int) -> LaunchConfig:
+    """The LaunchConfig of a result row (the default row's launch is empty: the default's)."""
+    default = dataclasses.asdict(launch_config(heads, False))
+    return LaunchConfig(**{k: launch.get(k, default[k]) for k in CONFIG_KEYS})
 
 
 def sweep(
@@ -312,7 +315,10 @@ def sweep(
         )
     best = results[0][2]
     splits = "chosen by the kernel" if best.get("num_splits") is None else best["num_splits"]
-    print(f"  suggested launch_config({heads}): {suggested(best)}, num_splits {splits}", flush=True)
+    print(
+        f"  suggested launch_config({heads}): {suggested(best, heads)}, num_splits {splits}",
+        flush=True,
+    )
 
 
 def main() -> None:
