@@ -251,6 +251,7 @@ def build_llm(args, max_seqs: int):
         enable_prefix_caching=False,
         compilation_config=args.compilation_level,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size,
     )
 
 
@@ -280,6 +281,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--moe-tokens", default="1,16,128,1024,4096")
     parser.add_argument("--mla-block-sizes", default="16,64")
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="the engine's KV block size (default: its own)"
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument(
         "--compilation-level",
@@ -327,6 +331,7 @@ def main() -> None:
         llm = build_llm(args, max(batch_sizes))
         level = args.compilation_level
         mode = f"compilation level {level}: {COMPILATION_MODES[level]}"
+        mode += f", KV blocks of {llm.config.cache_config.block_size} tokens"
         rows = decode_rows(llm, shape, args, batch_sizes)
         graphs = llm.engine_core.model_runner._decode_graphs
         if graphs is not None:
