@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -178,6 +179,33 @@ def test_gguf_conversion_runs_once_and_is_keyed_by_file(monkeypatch, tmp_path):
     assert len(calls) == 2
     leftovers = [p.name for p in first.parent.iterdir() if p.name.startswith(".")]
     assert leftovers == []
+
+
+def test_gguf_conversion_is_keyed_by_content(monkeypatch, tmp_path):
+    """A reinstalled file (same bytes, another path and mtime) reuses the conversion; changed
+    bytes at the same path and size get a new one."""
+    monkeypatch.setenv("V1ENGINE_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_convert(gguf_path: Path, out_dir: Path) -> None:
+        calls.append(gguf_path)
+        (out_dir / "config.json").write_text("{}")
+
+    monkeypatch.setattr(loader, "_convert_gguf", fake_convert)
+    first_install = tmp_path / "site-a" / "tiny.gguf"
+    first_install.parent.mkdir()
+    first_install.write_bytes(b"GGUF weights")
+    converted = resolve_model_path(str(first_install))
+    second_install = tmp_path / "site-b" / "tiny.gguf"
+    second_install.parent.mkdir()
+    second_install.write_bytes(b"GGUF weights")
+    os.utime(second_install, ns=(1, 1))
+    assert resolve_model_path(str(second_install)) == converted
+    assert len(calls) == 1
+    first_install.write_bytes(b"GGUF weighTs")  # same size, other bytes
+    os.utime(first_install, ns=(2, 2))
+    assert resolve_model_path(str(first_install)) != converted
+    assert len(calls) == 2
 
 
 def test_gguf_conversion_tolerates_losing_the_race(monkeypatch, tmp_path):

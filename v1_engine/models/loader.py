@@ -77,11 +77,28 @@ def cache_root() -> Path:
 
 
 def converted_dir_for(gguf_path: Path) -> Path:
-    """Where a GGUF file's conversion is cached; the key changes when the file does."""
+    """Where a GGUF file's conversion is cached: keyed by the file's content, so a reinstalled
+    package (same bytes, new path or mtime) reuses the conversion instead of adding another
+    (0.5 GB for the default model). The content hash is computed once per (path, size, mtime)
+    and remembered under gguf-keys/."""
     resolved = gguf_path.resolve()
     stat = resolved.stat()
-    key = f"{resolved}|{stat.st_size}|{stat.st_mtime_ns}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    stat_key = f"{resolved}|{stat.st_size}|{stat.st_mtime_ns}"
+    memo = cache_root() / "gguf-keys" / hashlib.sha256(stat_key.encode()).hexdigest()[:16]
+    try:
+        digest = memo.read_text().strip()
+    except OSError:
+        digest = ""
+    if len(digest) != 12:
+        content = hashlib.sha256()
+        with resolved.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                content.update(chunk)
+        digest = content.hexdigest()[:12]
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        staging = memo.with_name(f".{memo.name}.{os.getpid()}")
+        staging.write_text(digest)
+        os.replace(staging, memo)  # atomic: a concurrent start reads all of it or nothing
     return cache_root() / "models" / f"{resolved.stem}-{digest}"
 
 
