@@ -87,14 +87,15 @@ def _run_decode(seq_lens, heads, rank, rope, block_size, dtype, num_splits, seed
 
 
 @interpreter_only
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("num_splits", [1, 3, 8, 16])
 @pytest.mark.parametrize(
     "heads, rank, rope, block_size",
     [(20, 32, 16, 4), (4, 24, 8, 16)],
     ids=["two-head-tiles", "padded-dims"],
 )
 def test_decode_float32_matches_reference(heads, rank, rope, block_size, num_splits):
-    """Eight splits over a 3-tile request leave splits with no key: the merge must ignore them."""
+    """Eight splits over a 3-tile request leave splits with no key: the merge must ignore them.
+    Up to 8 splits the merge is unrolled over the pieces; 16 takes its loop."""
     out, want = _run_decode(
         [1, 7, 40, 33], heads, rank, rope, block_size, torch.float32, num_splits
     )
