@@ -60,7 +60,7 @@ class ModelConfig:
 
 def default_block_size(hf_config: Any) -> int:
     """Tokens per KV-cache block when none is asked for: 64 for a model with a latent (MLA)
-    cache, whose decode kernel then reads each step's tokens from one block (80% of the H200's
+    cache, whose decode kernel then reads each step's tokens from one block (82% of the H200's
     HBM bandwidth at 64 x 4k against 68% with 16-token blocks; benchmarks/RESULTS.md), else 16."""
     return 64 if getattr(hf_config, "kv_lora_rank", None) else 16
 
