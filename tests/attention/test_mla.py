@@ -217,3 +217,49 @@ def test_absorb_keeps_one_copy_of_kv_b_proj():
     torch.testing.assert_close(layer.w_uv, per_head[:, NOPE:].transpose(1, 2), atol=0, rtol=0)
     kv_b.mul_(2.0)
     torch.testing.assert_close(layer.w_uk, per_head[:, :NOPE], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len, k_len", [(7, 7), (3, 11)], ids=["fresh", "over-context"])
+def test_fused_sdpa_prefill_matches_expanded_reference(dtype, q_len, k_len):
+    """The Triton backend's prefill form (values padded to the q/k head size, 4-D inputs, a
+    lower-right causal bias for a chunk over cached context) equals the float32 expanded form."""
+    from v1_engine.attention.mla_triton import mla_prefill_expanded_sdpa
+
+    gen = torch.Generator().manual_seed(9)
+    _, w_uk, w_uv = _weights(gen)
+    latent = torch.randn(k_len, RANK + ROPE, generator=gen)
+    q_nope = torch.randn(q_len, HEADS, NOPE, generator=gen)
+    q_pe = torch.randn(q_len, HEADS, ROPE, generator=gen)
+    args = [t.to(dtype) for t in (q_nope, q_pe, latent, w_uk, w_uv)]
+    got = mla_prefill_expanded_sdpa(*args, SCALE)
+    want = mla_prefill_expanded(q_nope, q_pe, latent, w_uk, w_uv, SCALE)
+    assert got.shape == (q_len, HEADS, V) and got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len, k_len", [(256, 256), (128, 640)], ids=["fresh", "over-context"])
+def test_gpu_prefill_runs_a_fused_sdpa_kernel(q_len, k_len):
+    """On the GPU the prefill form runs flash or memory-efficient attention (no math fallback,
+    which computes in float32): with only those two allowed, SDPA raises if neither fits.
+    DeepSeek-V2-Lite's sizes (16 heads, nope 128, rope 64, v 128, rank 512), bf16."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from v1_engine.attention.mla_triton import mla_prefill_expanded_sdpa
+
+    heads, nope, rope, v, rank = 16, 128, 64, 128, 512
+    gen = torch.Generator().manual_seed(10)
+    kv_b = torch.randn(heads * (nope + v), rank, generator=gen) * rank**-0.5
+    layer = MLAAttention(heads, nope, rope, v, rank, (nope + rope) ** -0.5, "l")
+    layer.absorb(kv_b)
+    latent = torch.randn(k_len, rank + rope, generator=gen)
+    q_nope = torch.randn(q_len, heads, nope, generator=gen)
+    q_pe = torch.randn(q_len, heads, rope, generator=gen)
+    tensors = (q_nope, q_pe, latent, layer.w_uk, layer.w_uv)
+    args = [t.to("cuda", torch.bfloat16) for t in tensors]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        got = mla_prefill_expanded_sdpa(*args, layer.scale)
+    want = mla_prefill_expanded(*[t.cuda() for t in tensors], layer.scale)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)

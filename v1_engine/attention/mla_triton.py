@@ -10,7 +10,12 @@ come from the host-side metadata, as the prefill loop's do).
 
 Prefill chunks run one request at a time: the chunk's and its cached context's latents are
 expanded into per-head keys and values (W_UK, W_UV) and fed to scaled_dot_product_attention in
-the model's dtype, with the causal mask aligned to the chunk's last rows.
+the model's dtype, with the causal mask aligned to the chunk's last rows. Its fused kernels
+(flash, memory-efficient) take 4-D inputs whose q, k and v share one head size, so the values
+(v_head_dim 128) are zero-padded to the query/key size (nope + rope = 192) and the pad dropped
+after; 3-D inputs of unequal sizes went to the math path, which on CUDA computes in float32 (a
+DeepSeek-V2-Lite profile showed its float32 GEMMs at 254 us a layer of a 1k-token prefill;
+benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from v1_engine.attention.backend import AttentionMetadata
 from v1_engine.attention.mla_cpu import gather_paged_latent
@@ -46,13 +52,16 @@ def mla_prefill_expanded_sdpa(
     value = torch.matmul(c, w_uv)  # [H, Lk, V]
     key = torch.cat([k_nope, k_pe[None].expand(num_heads, -1, -1)], dim=-1)
     query = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [H, Lq, N + P]
+    v_dim = value.shape[-1]
+    if v_dim < query.shape[-1]:  # one head size for the fused kernels (module docstring)
+        value = F.pad(value, (0, query.shape[-1] - v_dim))
+    query, key, value = query[None], key[None], value[None]  # [1, H, L, D]
     if q_len == k_len:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
-    else:
-        q_pos = torch.arange(k_len - q_len, k_len, device=latent.device)[:, None]
-        mask = torch.arange(k_len, device=latent.device)[None, :] <= q_pos
+    else:  # the chunk's rows are the last q_len of k_len positions: causal, lower right
+        mask = causal_lower_right(q_len, k_len)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+    return out[0, :, :, :v_dim].transpose(0, 1)
 
 
 class TritonMLABackend:
