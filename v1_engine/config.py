@@ -151,7 +151,14 @@ class ParallelConfig:
 
 
 COMPILATION_LEVELS = (0, 1, 2)
-FUSION_PASSES = ("add_rms_norm", "silu_and_mul", "rms_norm_fp8_quant", "silu_and_mul_fp8_quant")
+FUSION_PASSES = (
+    "add_rms_norm",
+    "silu_and_mul",
+    "rms_norm_fp8_quant",
+    "silu_and_mul_fp8_quant",
+    "skinny_silu_mul",
+    "skinny_add_rms_norm",
+)
 
 
 @dataclass

@@ -6,6 +6,8 @@ from compile.passes.fusion import (
     fuse_rms_norm_fp8_quant,
     fuse_silu_and_mul,
     fuse_silu_and_mul_fp8_quant,
+    fuse_skinny_add_rms_norm,
+    fuse_skinny_silu_mul,
 )
 
 __all__ = [
@@ -14,4 +16,6 @@ __all__ = [
     "fuse_rms_norm_fp8_quant",
     "fuse_silu_and_mul",
     "fuse_silu_and_mul_fp8_quant",
+    "fuse_skinny_add_rms_norm",
+    "fuse_skinny_silu_mul",
 ]

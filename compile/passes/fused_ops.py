@@ -79,3 +79,56 @@ def _(
 @silu_and_mul.register_kernel("cuda")
 def _(x: torch.Tensor) -> torch.Tensor:
     return _triton().silu_and_mul(x)
+
+
+# ---- skinny GEMM epilogues (kernels/skinny_epilogues.py) ------------------------------------
+# The unquantized linear layers call `v1_engine::skinny_linear` on CUDA (kernels/triton_gemv.py,
+# F.linear elsewhere). These ops are that GEMM followed by the op the passes above produce, in
+# one op: on CUDA one kernel for decode-sized batches, the two kernels otherwise.
+
+
+@torch.library.custom_op("v1_engine::skinny_linear_silu_mul", mutates_args=())
+def skinny_linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(x @ weight^T) for weight = [gate; up] [2I, K]: a gate_up_proj and its SiLU."""
+    return silu_and_mul_ref(F.linear(x, weight))
+
+
+@skinny_linear_silu_mul.register_fake
+def _skinny_linear_silu_mul_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0] // 2))
+
+
+@skinny_linear_silu_mul.register_kernel("cuda")
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from v1_engine.kernels.skinny_epilogues import silu_mul_linear_cuda
+
+    return silu_mul_linear_cuda(x, weight)
+
+
+@torch.library.custom_op("v1_engine::skinny_linear_add_rms_norm", mutates_args=())
+def skinny_linear_add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """fused_add_rms_norm(x @ weight^T, residual, norm_weight, eps): an o_proj / down_proj and
+    the residual add + RMSNorm after it."""
+    return fused_add_rms_norm_ref(F.linear(x, weight), residual, norm_weight, eps)
+
+
+@skinny_linear_add_rms_norm.register_fake
+def _skinny_linear_add_rms_norm_fake(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    y = x.new_empty((x.shape[0], weight.shape[0]))
+    return _fused_add_rms_norm_fake(y, residual, norm_weight, eps)
+
+
+@skinny_linear_add_rms_norm.register_kernel("cuda")
+def _(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    from v1_engine.kernels.skinny_epilogues import linear_add_rms_norm_cuda
+
+    return linear_add_rms_norm_cuda(x, weight, residual, norm_weight, eps)

@@ -365,10 +365,83 @@ def fuse_silu_and_mul_fp8_quant(gm: fx.GraphModule) -> int:
     return count
 
 
+# ---- skinny GEMM epilogues -------------------------------------------------------------------
+#
+# An unquantized linear layer on CUDA is `v1_engine::skinny_linear(x, weight, bias)`
+# (kernels/triton_gemv.py). When its output is read by nothing but a SiLU-and-mul or a residual
+# add + RMSNorm (the base passes' fused ops), GEMM and op become one op whose CUDA body runs the
+# op as the GEMM's epilogue (kernels/skinny_epilogues.py). Each pass first runs its base pass.
+
+
+def _skinny_linear_args(node: object) -> tuple[fx.Node, fx.Node] | None:
+    """(x, weight) of a `v1_engine::skinny_linear(x, weight)` call with no bias and 2-D x."""
+    packet = getattr(torch.ops.v1_engine, "skinny_linear", None)
+    if packet is None or not _is_op(node, packet):
+        return None
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    example = _example(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+    if bias is not None or example is None or example.dim() != 2:
+        return None
+    return node.args[0], node.args[1]
+
+
+def fuse_skinny_silu_mul(gm: fx.GraphModule) -> int:
+    """skinny_linear(x, gate_up) -> silu_and_mul => `v1_engine::skinny_linear_silu_mul`;
+    runs fuse_silu_and_mul first. Returns matches."""
+    fuse_silu_and_mul(gm)
+    graph, count = gm.graph, 0
+    for node in list(graph.nodes):
+        if not _is_op(node, torch.ops.v1_engine.silu_and_mul):
+            continue
+        linear = node.args[0]
+        operands = _skinny_linear_args(linear)
+        if operands is None or not _only_used_by(linear, node):
+            continue
+        with graph.inserting_before(node):
+            fused = graph.call_function(
+                torch.ops.v1_engine.skinny_linear_silu_mul.default, operands
+            )
+        _copy_example(node, fused)
+        node.replace_all_uses_with(fused)
+        _erase(graph, [node, linear])
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def fuse_skinny_add_rms_norm(gm: fx.GraphModule) -> int:
+    """skinny_linear(x, w) -> fused_add_rms_norm(., residual, norm_w, eps) =>
+    `v1_engine::skinny_linear_add_rms_norm`; runs fuse_add_rms_norm first. Returns matches."""
+    fuse_add_rms_norm(gm)
+    graph, count = gm.graph, 0
+    for node in list(graph.nodes):
+        if not _is_op(node, torch.ops.v1_engine.fused_add_rms_norm):
+            continue
+        linear, residual, weight, eps = node.args
+        operands = _skinny_linear_args(linear)
+        if operands is None or not _only_used_by(linear, node):
+            continue
+        with graph.inserting_before(node):
+            fused = graph.call_function(
+                torch.ops.v1_engine.skinny_linear_add_rms_norm.default,
+                (*operands, residual, weight, eps),
+            )
+        _copy_example(node, fused)
+        node.replace_all_uses_with(fused)
+        _erase(graph, [node, linear])
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
 FUSION_PASSES: dict[str, Callable[[fx.GraphModule], int]] = {
     "add_rms_norm": fuse_add_rms_norm,
     "silu_and_mul": fuse_silu_and_mul,
     "rms_norm_fp8_quant": fuse_rms_norm_fp8_quant,
     "silu_and_mul_fp8_quant": fuse_silu_and_mul_fp8_quant,
+    "skinny_silu_mul": fuse_skinny_silu_mul,
+    "skinny_add_rms_norm": fuse_skinny_add_rms_norm,
 }
 """Fusion passes by the name `CompilationConfig.fusion_passes` uses."""

@@ -43,6 +43,7 @@ from v1_engine.kernels import interpreting
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
 from v1_engine.kernels.skinny_tuned import TUNED_LAUNCH
+from v1_engine.kernels.triton_fused_quant import _round_to
 
 SKINNY_MAX_M = 64
 """Largest row count the skinny kernel takes; more rows go to F.linear (compute starts to
@@ -86,6 +87,10 @@ def _skinny_gemm_kernel(
     out_ptr,
     partial_ptr,
     arrivals_ptr,
+    residual_ptr,
+    norm_w_ptr,
+    normed_ptr,
+    residual_out_ptr,
     M,
     N,
     K,
@@ -93,6 +98,8 @@ def _skinny_gemm_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    stride_rm,
+    eps,
     HAS_BIAS: tl.constexpr,
     MODE: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -101,10 +108,14 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    GATED: tl.constexpr,
+    ADD_NORM: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    HW: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (n, s): BLOCK_N output columns over the s-th k_per_split-wide slice of K (all of K
-    when SPLIT_K is 1; MODE and the split: see the module)."""
+    when SPLIT_K is 1; MODE, the split and the GATED / ADD_NORM epilogues: see the module)."""
     pdl_wait(PDL)
     tile = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split
@@ -122,29 +133,28 @@ def _skinny_gemm_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if GATED:  # the up rows sit N rows below the gate rows; their own accumulator
+        u_ptrs = w_ptrs + N.to(tl.int64) * stride_wn
+        acc_u = tl.zeros_like(acc)
     # An explicit num_stages on the loop pipelines the loads even where no tl.dot consumes them.
     for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k[None, :] < k_end - k
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_first")
+        w_mask = n_mask[:, None] & k_mask
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_last")
         if DOT_F32:
-            w = w.to(tl.float32)
             x = x.to(tl.float32)
-        if MODE == 0:
-            acc += _dot(x, tl.trans(w), DOT_F32)
-        elif MODE == 1:
-            acc += _dot(w, tl.trans(x), DOT_F32)
-        else:
-            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc = _accumulate(acc, x, w, MODE, DOT_F32)
+        if GATED:
+            u = tl.load(u_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            acc_u = _accumulate(acc_u, x, u, MODE, DOT_F32)
+            u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     pdl_release(PDL)
-    if MODE == 0:
-        result = acc
-    elif MODE == 1:
-        result = tl.trans(acc)
-    else:
-        result = tl.sum(acc, axis=2)
+    result = _tile_result(acc, MODE)
+    if GATED:
+        result = _silu_mul(result, _tile_result(acc_u, MODE), out_ptr.dtype.element_ty, HW)
     tile_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         split = (partial_ptr, arrivals_ptr, tile, offs_m, offs_n, tile_mask, M, N)
@@ -153,9 +163,92 @@ def _skinny_gemm_kernel(
             _store_tile(total, bias_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask,
                         stride_om, HAS_BIAS)  # fmt: skip
             tl.atomic_xchg(arrivals_ptr + tile, 0)
+            if ADD_NORM:
+                _add_norm_last(out_ptr, residual_ptr, norm_w_ptr, normed_ptr, residual_out_ptr,
+                               arrivals_ptr + tl.num_programs(0), M, N, stride_om, stride_rm,
+                               eps, NORM_BLOCK, HW)  # fmt: skip
     else:
         _store_tile(result, bias_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, stride_om,
                     HAS_BIAS)  # fmt: skip
+        if ADD_NORM:
+            _add_norm_last(out_ptr, residual_ptr, norm_w_ptr, normed_ptr, residual_out_ptr,
+                           arrivals_ptr + tl.num_programs(0), M, N, stride_om, stride_rm, eps,
+                           NORM_BLOCK, HW)  # fmt: skip
+
+
+@triton.jit
+def _accumulate(acc, x, w, MODE: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc plus this K step's products of x [BLOCK_M, BLOCK_K] and w [BLOCK_N, BLOCK_K], in the
+    body's accumulator layout (see the module)."""
+    if DOT_F32:
+        w = w.to(tl.float32)
+    if MODE == 0:
+        acc += _dot(x, tl.trans(w), DOT_F32)
+    elif MODE == 1:
+        acc += _dot(w, tl.trans(x), DOT_F32)
+    else:
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc
+
+
+@triton.jit
+def _tile_result(acc, MODE: tl.constexpr):
+    """The float32 [BLOCK_M, BLOCK_N] tile of a body's accumulator."""
+    if MODE == 0:
+        return acc
+    elif MODE == 1:
+        return tl.trans(acc)
+    else:
+        return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _silu_mul(gate, up, DTYPE: tl.constexpr, HW: tl.constexpr):
+    """silu(gate) * up of float32 tiles with the roundings to DTYPE the unfused ops make (the
+    GEMM's output, the SiLU, the product: kernels/triton_fused.py's SiLU-and-mul)."""
+    gate = _round_to(gate, DTYPE, HW)
+    silu = _round_to(gate / (1.0 + tl.exp(-gate)), DTYPE, HW)
+    return _round_to(silu * _round_to(up, DTYPE, HW), DTYPE, HW)
+
+
+@triton.jit
+def _add_norm_last(out_ptr, residual_ptr, norm_w_ptr, normed_ptr, residual_out_ptr, counter_ptr,
+                   M, N, stride_om, stride_rm, eps, NORM_BLOCK: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+    """The ADD_NORM epilogue, after a program stored its output tile: it counts itself in on
+    `counter_ptr`, and the last of the column tiles to arrive computes, for every row m,
+    residual_out = out + residual and normed = norm_w * rmsnorm(residual_out) with the roundings
+    of kernels/triton_fused.py's add + RMSNorm, reading the other tiles' outputs past L1 (.cg),
+    then resets the counter for the next launch (the split-K semaphores' protocol)."""
+    tl.debug_barrier()
+    count = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if count == tl.num_programs(0) - 1:
+        dtype = out_ptr.dtype.element_ty
+        offsets = tl.arange(0, NORM_BLOCK)
+        for m in range(M):
+            # Row offsets in int32: M <= SKINNY_MAX_M rows of at most a vocabulary's width.
+            out_row = out_ptr + m * stride_om
+            res_row = residual_ptr + m * stride_rm
+            res_out_row = residual_out_ptr + m * N
+            squares = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+            for chunk in range(0, N, NORM_BLOCK):
+                cols = chunk + offsets
+                mask = cols < N
+                y = tl.load(out_row + cols, mask=mask, other=0.0, cache_modifier=".cg")
+                r = tl.load(res_row + cols, mask=mask, other=0.0)
+                s = _round_to(y.to(tl.float32) + r.to(tl.float32), dtype, HW)
+                tl.store(res_out_row + cols, s.to(dtype), mask=mask)
+                squares += s * s
+            variance = tl.math.div_rn(tl.sum(squares, axis=0), N * 1.0)
+            rstd = tl.math.rsqrt(variance + eps)
+            for chunk in range(0, N, NORM_BLOCK):
+                cols = chunk + offsets
+                mask = cols < N
+                s = tl.load(res_out_row + cols, mask=mask, other=0.0).to(tl.float32)
+                normed = _round_to(s * rstd, dtype, HW)
+                w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                y = _round_to(w * normed, normed_ptr.dtype.element_ty, HW)
+                tl.store(normed_ptr + m * N + cols, y.to(normed_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(counter_ptr, 0)
 
 
 @triton.jit
@@ -311,7 +404,8 @@ def split_workspace(out: torch.Tensor, tiles: int, split: int) -> tuple[torch.Te
 def _constexprs(
     m: int, dtype: torch.dtype, has_bias: bool, config: dict, device: torch.device
 ) -> dict:
-    """The kernel's compile-time arguments and launch options for a resolved config."""
+    """The kernel's compile-time arguments and launch options for a resolved config (no
+    epilogue; `_launch` sets GATED / ADD_NORM)."""
     mode = _MODE_IDS[config["mode"]]
     return {
         "HAS_BIAS": has_bias,
@@ -322,9 +416,63 @@ def _constexprs(
         "BLOCK_K": config["block_k"],
         "NUM_STAGES": config["num_stages"],
         "SPLIT_K": config["split_k"],
+        "GATED": False,
+        "ADD_NORM": False,
+        "NORM_BLOCK": NORM_BLOCK,
+        "HW": not interpreting(),
         "num_warps": config["num_warps"],
         "num_stages": config["num_stages"],
     } | launch_options(device)
+
+
+NORM_BLOCK = 1024
+"""Columns per chunk of the ADD_NORM epilogue's row walk."""
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: dict,
+    gated: bool = False,
+    norm: tuple | None = None,
+) -> None:
+    """One launch of the kernel over out's N columns; `norm` = (residual, norm_weight, eps,
+    normed, residual_out) turns the ADD_NORM epilogue on."""
+    m, k = x.shape
+    n = out.shape[1]
+    tiles, split = triton.cdiv(n, config["block_n"]), config["split_k"]
+    partials, arrivals = split_workspace(out, tiles, split)
+    residual = norm_w = normed = residual_out = out  # unused without the epilogue
+    eps, stride_rm = 0.0, 0
+    if norm is not None:
+        residual, norm_w, eps, normed, residual_out = norm
+        stride_rm = residual.stride(0)
+        arrivals = split_semaphores(x.device, tiles + 1)  # tile counters, then the row counter
+    _skinny_gemm_kernel[(tiles, split)](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        partials,
+        arrivals,
+        residual,
+        norm_w,
+        normed,
+        residual_out,
+        m,
+        n,
+        k,
+        k_per_split(k, config),
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        stride_rm,
+        eps,
+        **_constexprs(m, x.dtype, bias is not None, config, x.device)
+        | {"GATED": gated, "ADD_NORM": norm is not None},
+    )
 
 
 def skinny_gemm(
@@ -346,24 +494,7 @@ def skinny_gemm(
     config = resolve_launch(m, n, k, launch)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    tiles, split = triton.cdiv(n, config["block_n"]), config["split_k"]
-    partials, arrivals = split_workspace(out, tiles, split)
-    _skinny_gemm_kernel[(tiles, split)](
-        x,
-        weight,
-        bias if bias is not None else weight,
-        out,
-        partials,
-        arrivals,
-        m,
-        n,
-        k,
-        k_per_split(k, config),
-        x.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        **_constexprs(m, x.dtype, bias is not None, config, x.device),
-    )
+    _launch(x, weight, bias, out, config)
     return out
 
 
@@ -380,6 +511,10 @@ def precompile(dtype: torch.dtype, m: int, n: int, k: int, **launch: int | str) 
         dtype,
         torch.float32 if split else dtype,
         torch.int32 if split else dtype,
+        dtype,
+        dtype,
+        dtype,
+        dtype,
         m,
         n,
         k,
@@ -387,6 +522,8 @@ def precompile(dtype: torch.dtype, m: int, n: int, k: int, **launch: int | str) 
         k,
         k,
         n,
+        0,
+        0.0,
         grid=(1,),
         **_constexprs(m, dtype, False, config, torch.device("cuda")),
     )

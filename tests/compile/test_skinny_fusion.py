@@ -1,0 +1,204 @@
+"""The skinny-epilogue passes: a `v1_engine::skinny_linear` whose output only feeds the MLP's
+SiLU-and-mul, or the residual add + RMSNorm after it, becomes one op (compile/passes/fusion.py).
+On the CPU the fused ops run their references (F.linear, then the unfused op's reference), so
+the rewritten graph must give bit-identical results; the kernels behind the ops on CUDA are
+tested in tests/kernels/test_skinny_epilogues.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compile.compiled_forward import CompiledForward
+from compile.passes import fuse_skinny_add_rms_norm, fuse_skinny_silu_mul
+from v1_engine.attention.selector import get_attn_backend
+from v1_engine.forward_context import set_forward_context
+from v1_engine.layers.activation import SiluAndMul
+from v1_engine.layers.norm import RMSNorm
+from v1_engine.layers.quantization.base import UnquantizedLinearMethod
+from v1_engine.models.loader import get_model, load_hf_config
+
+triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")  # registers skinny_linear
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _ops(gm: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _count(gm: torch.fx.GraphModule, name: str) -> int:
+    return sum(1 for target in _ops(gm) if target.split(".")[1:2] == [name])
+
+
+def _compile_with(module: torch.nn.Module, graph_pass):
+    graphs: list[torch.fx.GraphModule] = []
+    matches: list[object] = []
+
+    def backend(gm, example_inputs):
+        matches.append(graph_pass(gm))
+        graphs.append(gm)
+        return gm
+
+    return torch.compile(module, backend=backend, fullgraph=True), graphs, matches
+
+
+class _Mlp(torch.nn.Module):
+    """gate_up (skinny) -> SiLU-and-mul -> down (skinny) -> add + RMSNorm, as a Llama layer's
+    MLP and the next layer's input norm; `bias` and `leak` break the patterns."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False, leak: bool = False) -> None:
+        super().__init__()
+        self.w_gate_up = torch.nn.Parameter(torch.randn(2 * inter, hidden) * 0.1)
+        self.w_down = torch.nn.Parameter(torch.randn(hidden, inter) * 0.1)
+        self.b_down = torch.nn.Parameter(torch.randn(hidden)) if bias else None
+        self.act = SiluAndMul()
+        self.norm = RMSNorm(hidden, eps=1e-5)
+        torch.nn.init.normal_(self.norm.weight)
+        self.leak = leak
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor):
+        gate_up = torch.ops.v1_engine.skinny_linear(x, self.w_gate_up, None)
+        act = self.act(gate_up)
+        down = torch.ops.v1_engine.skinny_linear(act, self.w_down, self.b_down)
+        normed, summed = self.norm(down, residual)
+        if self.leak:  # the GEMM outputs read elsewhere too: nothing may be fused away
+            return normed, summed, gate_up.sum() + down.sum()
+        return normed, summed
+
+
+def _both(gm: torch.fx.GraphModule) -> tuple[int, int]:
+    return fuse_skinny_silu_mul(gm), fuse_skinny_add_rms_norm(gm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_passes_fuse_the_mlp_and_keep_results(dtype):
+    torch.manual_seed(0)
+    module = _Mlp(32, 48).to(dtype)
+    x, residual = torch.randn(3, 32, dtype=dtype), torch.randn(3, 32, dtype=dtype)
+    compiled, graphs, matches = _compile_with(module, _both)
+    actual = compiled(x, residual)
+    assert matches == [(1, 1)]
+    gm = graphs[0]
+    assert _count(gm, "skinny_linear_silu_mul") == 1
+    assert _count(gm, "skinny_linear_add_rms_norm") == 1
+    for name in ("skinny_linear", "silu_and_mul", "fused_add_rms_norm"):
+        assert _count(gm, name) == 0, _ops(gm)
+    for a, b in zip(actual, module(x, residual)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("bias", "leak", "expected"), [(True, False, (1, 0)), (False, True, (0, 0))]
+)
+def test_passes_leave_other_uses_alone(bias, leak, expected):
+    """A biased GEMM is not fused into the norm; GEMM outputs read elsewhere are not fused."""
+    torch.manual_seed(1)
+    module = _Mlp(16, 24, bias=bias, leak=leak)
+    x, residual = torch.randn(2, 16), torch.randn(2, 16)
+    compiled, graphs, matches = _compile_with(module, _both)
+    actual = compiled(x, residual)
+    assert matches == [expected]
+    assert _count(graphs[0], "skinny_linear") == 2 - sum(expected)
+    for a, b in zip(actual, module(x, residual)):
+        assert torch.equal(a, b)
+
+
+def test_passes_on_tiny_llama_forward(tiny_llama_dir, monkeypatch):
+    """The Llama forward with its unquantized linears on `v1_engine::skinny_linear` (as on
+    CUDA): every MLP's gate_up + SiLU and every GEMM before a residual norm (o_proj and down_proj:
+    2 per layer, the last down_proj into the final norm) become one op; bit-identical."""
+    monkeypatch.setattr(
+        UnquantizedLinearMethod,
+        "apply",
+        lambda self, layer, x, bias: triton_gemv.skinny_linear(x, layer.weight, bias),
+    )
+    config = load_hf_config(str(tiny_llama_dir))
+    cpu = torch.device("cpu")
+    model = get_model(
+        config, str(tiny_llama_dir), dtype=torch.float32, device=cpu, load_format="auto", seed=0
+    )
+    passes = [
+        ("skinny_silu_mul", fuse_skinny_silu_mul),
+        ("skinny_add_rms_norm", fuse_skinny_add_rms_norm),
+    ]
+    forward = CompiledForward(model, passes=passes, use_inductor=False)
+    layers = config.num_hidden_layers
+    with (
+        torch.inference_mode(),
+        set_forward_context(None, get_attn_backend(cpu), model.attention_layers()),
+    ):
+        for num_tokens in (4, 1, 9):
+            input_ids = torch.randint(0, config.vocab_size, (num_tokens,))
+            positions = torch.arange(num_tokens)
+            assert torch.equal(forward(input_ids, positions), model(input_ids, positions))
+    assert forward.stats.pass_matches == {
+        "skinny_silu_mul": layers,
+        "skinny_add_rms_norm": 2 * layers,
+    }
+    assert forward.stats.num_traces == 1
+
+
+# ---- on the GPU: the Llama-3-8B widths, where the skinny kernels and their epilogues run -------
+
+_UNFUSED_SKINNY = ["add_rms_norm", "silu_and_mul", "rms_norm_fp8_quant", "silu_and_mul_fp8_quant"]
+
+
+@pytest.mark.gpu
+def test_epilogues_in_the_engine_match_unfused_gpu(tmp_path, default_tokenizer):
+    """A 2-layer model of Llama-3-8B's widths (dummy weights, bf16) at -O2 with every default
+    pass against the same engine without the skinny passes: each decoder layer's gate_up + SiLU
+    and both residual norms fused, and the same greedy tokens with the same logprobs for a batch
+    of 3 (norm epilogue at 3 rows, prefill and decode) and alone (1 row)."""
+    import json
+    from pathlib import Path
+
+    from v1_engine import LLM, SamplingParams
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    root = Path(__file__).resolve().parents[2]
+    config = json.loads((root / "benchmarks/configs/llama3-8b/config.json").read_text())
+    config["num_hidden_layers"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    default_tokenizer.save_pretrained(tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, 100000, (n,), generator=gen).tolist() for n in (3, 17, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    runs = []
+    for passes in (None, _UNFUSED_SKINNY):
+        llm = LLM(
+            str(tmp_path),
+            dtype="bfloat16",
+            load_format="dummy",
+            max_model_len=128,
+            num_kv_blocks=64,
+            max_num_seqs=4,
+            compilation_config={"level": 2, "fusion_passes": passes},
+        )
+        stats = llm.engine_core.model_runner._forward.stats
+        fused = {k: stats.pass_matches.get(k) for k in ("skinny_silu_mul", "skinny_add_rms_norm")}
+        outs = llm.generate(prompts, params, use_tqdm=False) + llm.generate(
+            prompts[:1], params, use_tqdm=False
+        )
+        runs.append(([o.outputs[0] for o in outs], fused))
+        del llm
+        torch.cuda.empty_cache()
+    (fused_outs, fused_counts), (plain_outs, plain_counts) = runs
+    assert fused_counts == {"skinny_silu_mul": 2, "skinny_add_rms_norm": 4}
+    assert plain_counts == {"skinny_silu_mul": None, "skinny_add_rms_norm": None}
+    for got, want in zip(fused_outs, plain_outs):
+        agree = next(
+            (i for i, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b),
+            len(want.token_ids),
+        )
+        assert agree >= 4, (got.token_ids, want.token_ids)  # flips only between near-ties
+        for step in range(agree):
+            token = got.token_ids[step]
+            a, b = got.logprobs[step][token].logprob, want.logprobs[step][token].logprob
+            assert abs(a - b) < 0.05, (step, a, b)

@@ -1,0 +1,268 @@
+"""The skinny GEMM with its epilogues (kernels/skinny_epilogues.py): the gated GEMM (SiLU-and-mul
+of a gate_up projection) and the GEMM whose last column tile runs the residual add + RMSNorm,
+against the unfused ops: under the interpreter on CPU (tiny shapes, every body, masked edges,
+split-K, the semaphores), on the device with CUDA (the Llama-3-8B shapes, CUDA graphs)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+_CUDA = torch.cuda.is_available()
+if not _CUDA:
+    # Must be set before triton is imported and the kernels are decorated.
+    os.environ["TRITON_INTERPRET"] = "1"
+    for name in ("v1_engine.kernels.triton_gemv", "v1_engine.kernels.skinny_epilogues"):
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
+
+from compile.passes.fused_ops import fused_add_rms_norm_ref, silu_and_mul_ref
+from v1_engine.kernels import semaphores
+
+triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
+epilogues = pytest.importorskip("v1_engine.kernels.skinny_epilogues")
+interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
+
+BF16_ULP = 2.0**-7
+
+
+def values(shape: tuple[int, ...], dtype: torch.dtype, seed: int, device="cpu") -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(dtype).to(device)
+
+
+def modes(*dot_ms: int) -> list[tuple[str, int]]:
+    return [
+        (mode, m)
+        for mode in triton_gemv.MODES
+        for m in dot_ms
+        if mode != "fma" or m <= triton_gemv.FMA_MAX_M
+    ]
+
+
+def assert_within_ulps(out: torch.Tensor, ref: torch.Tensor, ulps: float = 2.0) -> None:
+    """out within `ulps` bf16 spacings of ref, relative to each value (and to the row's scale
+    near zero, where SiLU's and the GEMM's own roundings dominate)."""
+    scale = ref.float().abs().amax().item()
+    torch.testing.assert_close(
+        out.float(), ref.float(), rtol=ulps * BF16_ULP, atol=ulps * BF16_ULP * scale / 16
+    )
+
+
+def _no_semaphore_left(device: torch.device) -> bool:
+    return not semaphores._SEMAPHORES[device].any()
+
+
+# ---- interpreter (CPU) -----------------------------------------------------------------------
+
+
+@interpreter_only
+@pytest.mark.parametrize(("mode", "m"), modes(1, 3, 16))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gated_matches_unfused_interpreted(mode, m, dtype):
+    """I = 20 outputs: not a multiple of BLOCK_N (8 for the gated tiles here), K = 80 not one
+    of BLOCK_K = 32; x's rows strided. In float32 the gated kernel matches the GEMM of the same
+    tiles followed by SiLU-and-mul to a few float32 ulps (exp's and the division's own); in
+    bf16 the interpreter's GEMM store truncates where the kernel's epilogue rounds to nearest
+    (as the device does), so there they are bf16 ulps apart."""
+    i, k = 20, 80
+    x = values((m, k + 8), dtype, 1)[:, 3 : 3 + k]
+    w = values((2 * i, k), dtype, 2)
+    launch = {"mode": mode, "block_n": 8 if mode == "fma" else 16, "block_k": 32}
+    launch |= {"num_warps": 4, "num_stages": 2}
+    out = epilogues.skinny_gemm_silu_mul(x, w, **launch)
+    assert out.shape == (m, i) and out.dtype == dtype
+    gate_up = torch.cat(
+        [triton_gemv.skinny_gemm(x, w[:i], **launch), triton_gemv.skinny_gemm(x, w[i:], **launch)],
+        dim=1,
+    )
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, silu_and_mul_ref(gate_up), rtol=4e-7, atol=1e-6)
+    else:
+        assert_within_ulps(out, silu_and_mul_ref(gate_up), ulps=4.0)
+    exact = silu_and_mul_ref((x.double() @ w.double().T).to(dtype))
+    assert_within_ulps(out, exact)
+
+
+@interpreter_only
+@pytest.mark.parametrize(("mode", "m"), modes(1, 3, 4))
+@pytest.mark.parametrize("split", [1, 3])
+def test_add_norm_epilogue_matches_unfused_interpreted(mode, m, split):
+    """N = 40 in column tiles of 8 / 16 (the last masked), K = 200 split 1 or 3 ways: the last
+    tile to finish adds the residual and normalises every row; equal to the GEMM then
+    add + RMSNorm up to the order of the sum of squares, and the semaphores (the tiles' and the
+    rows' counter) are zero again after each launch."""
+    n, k, eps = 40, 200, 1e-5
+    launch = {"mode": mode, "block_n": 8 if mode == "fma" else 16, "block_k": 32}
+    launch |= {"num_warps": 4, "num_stages": 2, "split_k": split}
+    for seed in (1, 5):
+        x = values((m, k), torch.bfloat16, seed)
+        w = values((n, k), torch.bfloat16, seed + 1)
+        residual = values((m, n + 6), torch.bfloat16, seed + 2)[:, 2 : 2 + n]  # strided rows
+        norm_w = values((n,), torch.bfloat16, seed + 3)
+        normed, summed = epilogues.skinny_gemm_add_rms_norm(x, w, residual, norm_w, eps, **launch)
+        y = triton_gemv.skinny_gemm(x, w, **launch)
+        ref_normed, ref_summed = fused_add_rms_norm_ref(y, residual, norm_w, eps)
+        assert torch.equal(summed, ref_summed)
+        assert_within_ulps(normed, ref_normed, ulps=1.0)
+        assert _no_semaphore_left(x.device)
+
+
+@interpreter_only
+def test_gated_launch_rules():
+    """The gated launch halves the gate_up entry's block_n (to the body's floor), never splits."""
+    key = (1, 28672, 4096)
+    entry = triton_gemv.TUNED_LAUNCH[key]
+    config = epilogues.gated_launch(1, 28672, 4096, {})
+    assert config["block_n"] == max(1 if entry["mode"] == "fma" else 16, entry["block_n"] // 2)
+    assert config["mode"] == entry["mode"] and config["split_k"] == 1
+    with pytest.raises(ValueError, match="split_k must be 1"):
+        epilogues.gated_launch(16, 28672, 4096, {"split_k": 2})
+
+
+@interpreter_only
+def test_cuda_bodies_dispatch_interpreted(monkeypatch):
+    """The ops' CUDA bodies on CPU tensors: a measured shape runs the fused kernel (up to
+    NORM_EPILOGUE_MAX_M rows for the norm); an unmeasured shape or more rows runs the unfused
+    path, with the same result."""
+    calls: list[str] = []
+    for name in ("skinny_gemm_silu_mul", "skinny_gemm_add_rms_norm"):
+        real = getattr(epilogues, name)
+        monkeypatch.setattr(
+            epilogues, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw)
+        )
+    tuned = {"mode": "dot_swap", "block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 2}
+    n, k, eps = 24, 64, 1e-6
+    w2, w = values((2 * n, k), torch.bfloat16, 1), values((n, k), torch.bfloat16, 2)
+    norm_w = values((n,), torch.bfloat16, 3)
+    max_m = epilogues.NORM_EPILOGUE_MAX_M
+    for m in (1, max_m, max_m + 1):
+        x, residual = values((m, k), torch.bfloat16, m), values((m, n), torch.bfloat16, m + 1)
+        calls.clear()
+        unmeasured = epilogues.silu_mul_linear_cuda(x, w2)
+        assert calls == [] and torch.equal(unmeasured, silu_and_mul_ref(F.linear(x, w2)))
+        bucket = triton_gemv.m_bucket(m)
+        monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (bucket, 2 * n, k), tuned)
+        monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (bucket, n, k), tuned)
+        gated = epilogues.silu_mul_linear_cuda(x, w2)
+        normed, summed = epilogues.linear_add_rms_norm_cuda(x, w, residual, norm_w, eps)
+        fused_norm = ["skinny_gemm_add_rms_norm"] if m <= max_m else []
+        assert calls == ["skinny_gemm_silu_mul", *fused_norm]
+        assert_within_ulps(gated, silu_and_mul_ref(F.linear(x, w2)))
+        ref_normed, ref_summed = fused_add_rms_norm_ref(F.linear(x, w), residual, norm_w, eps)
+        # 2 ulps: the interpreter's stores truncate the GEMM output where F.linear rounds it.
+        assert_within_ulps(summed, ref_summed)
+        assert_within_ulps(normed, ref_normed)
+
+
+def test_epilogues_compile_for_sm90(run_compile_probe):
+    """The epilogue launches compile for the GPU (the interpreter accepts more) without spills.
+    Gated: no synchronization at all. Add + norm: one acq_rel arrival after a barrier over the
+    tile's stores, the counter reset by an exchange, the other tiles' outputs read past L1; a
+    split launch has the tile semaphore's pair of atomics besides."""
+    cases = run_compile_probe("skinny_epilogue_probe.py")
+    assert len(cases) == 6
+    for name, info in cases.items():
+        assert info["stack"] == 0, (name, info)
+        atomics = (0, 0) if info["gated"] else (1, 1)
+        if info["split"] > 1:
+            atomics = (atomics[0] + 1, atomics[1] + 1)
+        assert (info["acq_rel_adds"], info["exchanges"]) == atomics, (name, info)
+        assert info["barrier_before_atomic"] == info["add_norm"], name
+        assert (info["reads_past_l1"] > 0) == info["add_norm"], name
+
+
+# ---- device (CUDA) ---------------------------------------------------------------------------
+
+LLAMA3_8B = {"gate_up": (28672, 4096), "o_proj": (4096, 4096), "down": (4096, 14336)}
+
+
+def _unfused_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    from v1_engine.kernels.triton_fused import silu_and_mul
+
+    return silu_and_mul(triton_gemv.skinny_linear(x, w))
+
+
+def _unfused_norm(x, w, residual, norm_w, eps):
+    from v1_engine.kernels.triton_fused import add_rms_norm
+
+    return add_rms_norm(triton_gemv.skinny_linear(x, w), residual, norm_w, eps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 64])
+def test_gated_llama3_gate_up_gpu(m):
+    """The op at the gate_up shape: the gated kernel where the shape is measured, against the
+    GEMM then SiLU-and-mul kernels; one bf16 rounding apart at most."""
+    n2, k = LLAMA3_8B["gate_up"]
+    w = values((n2, k), torch.bfloat16, 1, "cuda") * 0.02
+    x = values((m, k), torch.bfloat16, 2, "cuda")
+    out = torch.ops.v1_engine.skinny_linear_silu_mul(x, w)
+    ref = _unfused_silu(x, w)
+    assert out.shape == ref.shape
+    assert_within_ulps(out, ref, ulps=1.0)
+    exact = silu_and_mul_ref((x.double() @ w.double().T).to(torch.bfloat16))
+    assert_within_ulps(out, exact)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["o_proj", "down"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+def test_add_norm_llama3_shapes_gpu(name, m):
+    """o_proj / down_proj with the next add + RMSNorm, on the device where the tiles race to the
+    counter: equal to the unfused kernels (the summed rows bit for bit), repeatable, and the
+    semaphores zero after every launch."""
+    n, k = LLAMA3_8B[name]
+    w = values((n, k), torch.bfloat16, 3, "cuda") * 0.02
+    x = values((m, k), torch.bfloat16, 4, "cuda")
+    residual = values((m, n), torch.bfloat16, 5, "cuda")
+    norm_w = values((n,), torch.bfloat16, 6, "cuda")
+    normed, summed = torch.ops.v1_engine.skinny_linear_add_rms_norm(x, w, residual, norm_w, 1e-5)
+    ref_normed, ref_summed = _unfused_norm(x, w, residual, norm_w, 1e-5)
+    assert torch.equal(summed, ref_summed)
+    assert_within_ulps(normed, ref_normed, ulps=1.0)
+    for _ in range(3):
+        again = torch.ops.v1_engine.skinny_linear_add_rms_norm(x, w, residual, norm_w, 1e-5)
+        assert torch.equal(again[0], normed) and torch.equal(again[1], summed)
+    assert _no_semaphore_left(x.device)
+
+
+@pytest.mark.gpu
+def test_epilogues_in_a_cuda_graph_gpu():
+    """Both fused ops captured in one graph and replayed on new inputs."""
+    n2, k = LLAMA3_8B["gate_up"]
+    n, k_down = LLAMA3_8B["down"]
+    w_gate_up = values((n2, k), torch.bfloat16, 1, "cuda") * 0.02
+    w_down = values((n, k_down), torch.bfloat16, 2, "cuda") * 0.02
+    norm_w = values((n,), torch.bfloat16, 3, "cuda")
+    x = values((1, k), torch.bfloat16, 4, "cuda")
+    residual = values((1, n), torch.bfloat16, 5, "cuda")
+
+    def step():
+        act = torch.ops.v1_engine.skinny_linear_silu_mul(x, w_gate_up)
+        return torch.ops.v1_engine.skinny_linear_add_rms_norm(act, w_down, residual, norm_w, 1e-5)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile and allocate the semaphores outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        normed, summed = step()
+    for seed in (6, 7):
+        x.copy_(values((1, k), torch.bfloat16, seed, "cuda"))
+        residual.copy_(values((1, n), torch.bfloat16, seed + 10, "cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_normed, ref_summed = _unfused_norm(
+            _unfused_silu(x, w_gate_up), w_down, residual, norm_w, 1e-5
+        )
+        assert_within_ulps(summed, ref_summed, ulps=2.0)
+        assert_within_ulps(normed, ref_normed, ulps=2.0)
+    assert _no_semaphore_left(x.device)
