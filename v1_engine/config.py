@@ -159,6 +159,10 @@ FUSION_PASSES = (
     "skinny_silu_mul",
     "skinny_add_rms_norm",
 )
+OPT_IN_FUSION_PASSES = ("skinny_add_rms_norm",)
+"""Passes applied only when `fusion_passes` names them: measured slower than the unfused ops
+(the norm in the last tile of the GEMM: batch 1 4.50 vs 4.33 ms a step, benchmarks/RESULTS.md,
+"Skinny GEMM epilogues")."""
 
 
 @dataclass
@@ -183,9 +187,10 @@ class CompilationConfig:
     """Largest batch a CUDA graph is captured for (capped by max_num_seqs for decode graphs, by
     max_num_batched_tokens for piecewise graphs)."""
     fusion_passes: list[str] | None = None
-    """Graph rewrites applied before Inductor, from FUSION_PASSES. None picks every pass on
-    CUDA (each fused op runs one Triton kernel there; the FP8 ones match only FP8 models) and
-    none on the CPU (where the fused ops would run their unfused references)."""
+    """Graph rewrites applied before Inductor, from FUSION_PASSES. None picks every pass but
+    OPT_IN_FUSION_PASSES on CUDA (each fused op runs one Triton kernel there; the FP8 ones match
+    only FP8 models) and none on the CPU (where the fused ops would run their unfused
+    references)."""
     piecewise_cudagraphs: bool = True
     """Capture piecewise CUDA graphs (level >= 1 on CUDA) for steps of up to the largest capture
     size in tokens that are not uniform decode steps (prefills, mixed batches): the compiled
@@ -220,7 +225,9 @@ class CompilationConfig:
         """The fusion passes applied on `device_type`, in FUSION_PASSES order when derived."""
         if self.fusion_passes is not None:
             return list(self.fusion_passes)
-        return list(FUSION_PASSES) if device_type == "cuda" else []
+        if device_type != "cuda":
+            return []
+        return [name for name in FUSION_PASSES if name not in OPT_IN_FUSION_PASSES]
 
     def effective_level(self, device_type: str = "cpu") -> int:
         """The level the model runner applies on `device_type`: 0 when enforce_eager is set."""

@@ -110,11 +110,16 @@ def test_passes_on_tiny_llama_forward(tiny_llama_dir):
 
 
 def test_fusion_passes_default_by_device():
-    """Unset: every pass on CUDA (one Triton kernel per fused op), none on the CPU; an explicit
-    list (even empty) wins everywhere."""
-    from v1_engine.config import FUSION_PASSES, CompilationConfig
+    """Unset: every pass but the opt-in ones on CUDA (one Triton kernel per fused op), none on
+    the CPU; an explicit list (even empty) wins everywhere, opt-in passes included."""
+    from v1_engine.config import FUSION_PASSES, OPT_IN_FUSION_PASSES, CompilationConfig
 
-    assert CompilationConfig().effective_fusion_passes("cuda") == list(FUSION_PASSES)
+    default = CompilationConfig().effective_fusion_passes("cuda")
+    assert OPT_IN_FUSION_PASSES == ("skinny_add_rms_norm",)
+    assert default == [name for name in FUSION_PASSES if name not in OPT_IN_FUSION_PASSES]
+    assert "skinny_silu_mul" in default
+    opt_in = CompilationConfig(fusion_passes=["skinny_add_rms_norm"])
+    assert opt_in.effective_fusion_passes("cuda") == ["skinny_add_rms_norm"]
     assert CompilationConfig().effective_fusion_passes("cpu") == []
     assert CompilationConfig(fusion_passes=[]).effective_fusion_passes("cuda") == []
     chosen = CompilationConfig(fusion_passes=["silu_and_mul"])

@@ -12,6 +12,7 @@ import torch
 from compile.compiled_forward import CompiledForward
 from compile.passes import fuse_skinny_add_rms_norm, fuse_skinny_silu_mul
 from v1_engine.attention.selector import get_attn_backend
+from v1_engine.config import FUSION_PASSES
 from v1_engine.forward_context import set_forward_context
 from v1_engine.layers.activation import SiluAndMul
 from v1_engine.layers.norm import RMSNorm
@@ -151,8 +152,8 @@ _UNFUSED_SKINNY = ["add_rms_norm", "silu_and_mul", "rms_norm_fp8_quant", "silu_a
 
 @pytest.mark.gpu
 def test_epilogues_in_the_engine_match_unfused_gpu(tmp_path, default_tokenizer):
-    """A 2-layer model of Llama-3-8B's widths (dummy weights, bf16) at -O2 with every default
-    pass against the same engine without the skinny passes: each decoder layer's gate_up + SiLU
+    """A 2-layer model of Llama-3-8B's widths (dummy weights, bf16) at -O2 with every pass (the
+    opt-in norm epilogue too) against the same engine without the skinny passes: each decoder layer's gate_up + SiLU
     and both residual norms fused, and the same greedy tokens with the same logprobs for a batch
     of 3 (norm epilogue at 3 rows, prefill and decode) and alone (1 row)."""
     import json
@@ -171,7 +172,7 @@ def test_epilogues_in_the_engine_match_unfused_gpu(tmp_path, default_tokenizer):
     prompts = [torch.randint(10, 100000, (n,), generator=gen).tolist() for n in (3, 17, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     runs = []
-    for passes in (None, _UNFUSED_SKINNY):
+    for passes in (list(FUSION_PASSES), _UNFUSED_SKINNY):
         llm = LLM(
             str(tmp_path),
             dtype="bfloat16",

@@ -127,9 +127,9 @@ def test_gated_launch_rules():
 
 @interpreter_only
 def test_cuda_bodies_dispatch_interpreted(monkeypatch):
-    """The ops' CUDA bodies on CPU tensors: a measured shape runs the fused kernel (up to
-    NORM_EPILOGUE_MAX_M rows for the norm); an unmeasured shape or more rows runs the unfused
-    path, with the same result."""
+    """The ops' CUDA bodies on CPU tensors: a measured shape runs the fused kernel (in
+    GATED_M_BUCKETS for the gated one, up to NORM_EPILOGUE_MAX_M rows for the norm); an
+    unmeasured shape or other row counts run the unfused path, with the same result."""
     calls: list[str] = []
     for name in ("skinny_gemm_silu_mul", "skinny_gemm_add_rms_norm"):
         real = getattr(epilogues, name)
@@ -151,8 +151,9 @@ def test_cuda_bodies_dispatch_interpreted(monkeypatch):
         monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (bucket, n, k), tuned)
         gated = epilogues.silu_mul_linear_cuda(x, w2)
         normed, summed = epilogues.linear_add_rms_norm_cuda(x, w, residual, norm_w, eps)
+        fused_gate = ["skinny_gemm_silu_mul"] if bucket in epilogues.GATED_M_BUCKETS else []
         fused_norm = ["skinny_gemm_add_rms_norm"] if m <= max_m else []
-        assert calls == ["skinny_gemm_silu_mul", *fused_norm]
+        assert calls == fused_gate + fused_norm
         assert_within_ulps(gated, silu_and_mul_ref(F.linear(x, w2)))
         ref_normed, ref_summed = fused_add_rms_norm_ref(F.linear(x, w), residual, norm_w, eps)
         # 2 ulps: the interpreter's stores truncate the GEMM output where F.linear rounds it.
@@ -197,17 +198,21 @@ def _unfused_norm(x, w, residual, norm_w, eps):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 64])
 def test_gated_llama3_gate_up_gpu(m):
-    """The op at the gate_up shape: the gated kernel where the shape is measured, against the
-    GEMM then SiLU-and-mul kernels; one bf16 rounding apart at most."""
+    """The gated kernel at the gate_up shape (with its derived launch at every M bucket, and
+    through the op, which takes it only in GATED_M_BUCKETS), against the GEMM then SiLU-and-mul
+    kernels: one bf16 rounding apart at most."""
     n2, k = LLAMA3_8B["gate_up"]
     w = values((n2, k), torch.bfloat16, 1, "cuda") * 0.02
     x = values((m, k), torch.bfloat16, 2, "cuda")
-    out = torch.ops.v1_engine.skinny_linear_silu_mul(x, w)
     ref = _unfused_silu(x, w)
-    assert out.shape == ref.shape
-    assert_within_ulps(out, ref, ulps=1.0)
     exact = silu_and_mul_ref((x.double() @ w.double().T).to(torch.bfloat16))
-    assert_within_ulps(out, exact)
+    for out in (
+        epilogues.skinny_gemm_silu_mul(x, w),
+        torch.ops.v1_engine.skinny_linear_silu_mul(x, w),
+    ):
+        assert out.shape == ref.shape
+        assert_within_ulps(out, ref, ulps=1.0)
+        assert_within_ulps(out, exact)
 
 
 @pytest.mark.gpu

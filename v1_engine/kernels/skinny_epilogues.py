@@ -13,6 +13,11 @@ does not need, and a Llama layer has two of them right after skinny GEMMs:
   (`ADD_NORM`). That program walks every row alone, so this form is for a few rows
   (NORM_EPILOGUE_MAX_M); more rows take the norm kernel.
 
+Measured on the H200 (benchmarks/RESULTS.md, "Skinny GEMM epilogues"): the gated kernel wins
+at batch 1 only (GATED_M_BUCKETS); the norm in the last tile loses (every tile's program pays an
+acq_rel arrival, and one program then walks the rows alone), so its pass is opt-in
+(config.OPT_IN_FUSION_PASSES).
+
 Both keep the roundings of the unfused ops (GEMM output, SiLU, product; sum, normalised value,
 weight product), so they agree with them as the unfused kernels do with the references. Shapes
 the skinny kernel does not take fall back to the unfused kernels, inside the op.
@@ -27,10 +32,18 @@ from v1_engine.kernels.triton_gemv import (
     _launch,
     fits_skinny,
     launch_config,
+    m_bucket,
     prefers_skinny,
     resolve_launch,
     skinny_linear_cuda,
 )
+
+GATED_M_BUCKETS = (1,)
+"""M buckets (kernels/triton_gemv.py's m_bucket) the gated kernel runs for; the others take the
+GEMM and the SiLU-and-mul kernel. Measured on the H200 (benchmarks/RESULTS.md, "Skinny GEMM
+epilogues"), Llama-3-8B shape, decode ms a step, unfused vs gated: batch 1 (the fma body)
+4.33 vs 4.28; batches 2-16 (dot_swap, half the gate_up block_n) 4.44-4.68 vs 4.90-5.19;
+batch 64 5.41 vs 5.41."""
 
 NORM_EPILOGUE_MAX_M = 4
 """Most rows the ADD_NORM epilogue takes (its last program walks them all); beyond, the GEMM is
@@ -93,10 +106,16 @@ def skinny_gemm_add_rms_norm(
 
 
 def silu_mul_linear_cuda(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu_and_mul(x @ weight^T) on CUDA: the gated kernel where the gate_up shape has a
-    measured skinny launch, else the GEMM op's body and the SiLU-and-mul kernel."""
-    n2 = weight.shape[0]
-    if n2 % 2 == 0 and fits_skinny(x, weight, None) and prefers_skinny(x.shape[0], n2, x.shape[1]):
+    """silu_and_mul(x @ weight^T) on CUDA: the gated kernel for GATED_M_BUCKETS where the
+    gate_up shape has a measured skinny launch, else the GEMM op's body and the SiLU-and-mul
+    kernel."""
+    m, n2 = x.shape[0], weight.shape[0]
+    if (
+        m_bucket(m) in GATED_M_BUCKETS
+        and n2 % 2 == 0
+        and fits_skinny(x, weight, None)
+        and prefers_skinny(m, n2, x.shape[1])
+    ):
         return skinny_gemm_silu_mul(x, weight)
     from v1_engine.kernels.triton_fused import silu_and_mul
 
