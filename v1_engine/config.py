@@ -158,6 +158,7 @@ FUSION_PASSES = (
     "silu_and_mul_fp8_quant",
     "skinny_silu_mul",
     "skinny_add_rms_norm",
+    "rope_kv_cache",
 )
 OPT_IN_FUSION_PASSES = ("skinny_add_rms_norm",)
 """Passes applied only when `fusion_passes` names them: measured slower than the unfused ops

@@ -436,6 +436,71 @@ def fuse_skinny_add_rms_norm(gm: fx.GraphModule) -> int:
     return count
 
 
+# ---- rotary embedding into the attention op --------------------------------------------------
+#
+# layers/rotary.py rotates query and key with `v1_engine::rotary_embedding` (on CUDA), and the
+# attention op then writes the rotated key and the value to the cache before attending. When the
+# rotated tensors are read by nothing but one attention call (through the layer's reshapes, and
+# the `empty_like` that shapes its output buffer), the rotation moves into the attention op
+# (layers/attention.py: its positions / rotary-table arguments), whose Triton backend rotates
+# and writes the cache in one kernel.
+
+_ALIAS_METHODS = ("reshape", "view")
+
+
+def _rotated_reads_ok(node: fx.Node, attention: fx.Node) -> bool:
+    """Whether every reader of `node` (a rotated query or key), seen through reshapes / views,
+    is `attention` or an `empty_like` (which reads only the shape, the same before rotation)."""
+    for user in node.users:
+        if user is attention or _is_function(user, torch.empty_like):
+            continue
+        aliased = user.op == "call_method" and user.target in _ALIAS_METHODS
+        if not (aliased and _rotated_reads_ok(user, attention)):
+            return False
+    return True
+
+
+def _source_through_aliases(node: object) -> object:
+    while isinstance(node, fx.Node) and node.op == "call_method" and node.target in _ALIAS_METHODS:
+        node = node.args[0]
+    return node
+
+
+def fuse_rope_kv_cache(gm: fx.GraphModule) -> int:
+    """rotary_embedding(positions, q, k, cos, sin, neox) -> unified_attention(q', k', v, out,
+    name) => unified_attention(q, k, v, out, name, positions, cos, sin, neox). Returns matches."""
+    rope = getattr(torch.ops.v1_engine, "rotary_embedding", None)
+    attention = getattr(torch.ops.v1_engine, "unified_attention", None)
+    if rope is None or attention is None:
+        return 0
+    graph, count = gm.graph, 0
+    for node in list(graph.nodes):
+        if not _is_op(node, attention) or len(node.args) != 5 or node.kwargs:
+            continue
+        rotated = [_source_through_aliases(arg) for arg in node.args[:2]]
+        if not all(_is_function(r, operator.getitem) for r in rotated):
+            continue
+        source = rotated[0].args[0]
+        if not _is_op(source, rope) or rotated[1].args[0] is not source:
+            continue
+        if (rotated[0].args[1], rotated[1].args[1]) != (0, 1) or source.kwargs:
+            continue
+        outputs = _outputs_by_index(source)
+        if outputs is None or outputs.get(0) != [rotated[0]] or outputs.get(1) != [rotated[1]]:
+            continue
+        if not all(_rotated_reads_ok(r, node) for r in rotated):
+            continue
+        positions, query, key, cos_cache, sin_cache, is_neox_style = source.args
+        for old, new in zip(rotated, (query, key)):
+            old.replace_all_uses_with(new)
+        node.args = (*node.args, positions, cos_cache, sin_cache, is_neox_style)
+        _erase(graph, [*rotated, source])
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
 FUSION_PASSES: dict[str, Callable[[fx.GraphModule], int]] = {
     "add_rms_norm": fuse_add_rms_norm,
     "silu_and_mul": fuse_silu_and_mul,
@@ -443,5 +508,6 @@ FUSION_PASSES: dict[str, Callable[[fx.GraphModule], int]] = {
     "silu_and_mul_fp8_quant": fuse_silu_and_mul_fp8_quant,
     "skinny_silu_mul": fuse_skinny_silu_mul,
     "skinny_add_rms_norm": fuse_skinny_add_rms_norm,
+    "rope_kv_cache": fuse_rope_kv_cache,
 }
 """Fusion passes by the name `CompilationConfig.fusion_passes` uses."""

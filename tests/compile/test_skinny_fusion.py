@@ -152,54 +152,17 @@ _UNFUSED_SKINNY = ["add_rms_norm", "silu_and_mul", "rms_norm_fp8_quant", "silu_a
 
 @pytest.mark.gpu
 def test_epilogues_in_the_engine_match_unfused_gpu(tmp_path, default_tokenizer):
-    """A 2-layer model of Llama-3-8B's widths (dummy weights, bf16) at -O2 with every pass (the
-    opt-in norm epilogue too) against the same engine without the skinny passes: each decoder layer's gate_up + SiLU
+    """A 2-layer model of Llama-3-8B's widths at -O2 with every pass (the opt-in norm epilogue
+    too) against the same engine without the skinny passes: each decoder layer's gate_up + SiLU
     and both residual norms fused, and the same greedy tokens with the same logprobs for a batch
     of 3 (norm epilogue at 3 rows, prefill and decode) and alone (1 row)."""
-    import json
-    from pathlib import Path
+    from engine_ab import assert_same_greedy, greedy_runs, llama8b_widths_dir
 
-    from v1_engine import LLM, SamplingParams
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    root = Path(__file__).resolve().parents[2]
-    config = json.loads((root / "benchmarks/configs/llama3-8b/config.json").read_text())
-    config["num_hidden_layers"] = 2
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    default_tokenizer.save_pretrained(tmp_path)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(10, 100000, (n,), generator=gen).tolist() for n in (3, 17, 40)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
-    runs = []
-    for passes in (list(FUSION_PASSES), _UNFUSED_SKINNY):
-        llm = LLM(
-            str(tmp_path),
-            dtype="bfloat16",
-            load_format="dummy",
-            max_model_len=128,
-            num_kv_blocks=64,
-            max_num_seqs=4,
-            compilation_config={"level": 2, "fusion_passes": passes},
-        )
-        stats = llm.engine_core.model_runner._forward.stats
-        fused = {k: stats.pass_matches.get(k) for k in ("skinny_silu_mul", "skinny_add_rms_norm")}
-        outs = llm.generate(prompts, params, use_tqdm=False) + llm.generate(
-            prompts[:1], params, use_tqdm=False
-        )
-        runs.append(([o.outputs[0] for o in outs], fused))
-        del llm
-        torch.cuda.empty_cache()
-    (fused_outs, fused_counts), (plain_outs, plain_counts) = runs
-    assert fused_counts == {"skinny_silu_mul": 2, "skinny_add_rms_norm": 4}
-    assert plain_counts == {"skinny_silu_mul": None, "skinny_add_rms_norm": None}
-    for got, want in zip(fused_outs, plain_outs):
-        agree = next(
-            (i for i, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b),
-            len(want.token_ids),
-        )
-        assert agree >= 4, (got.token_ids, want.token_ids)  # flips only between near-ties
-        for step in range(agree):
-            token = got.token_ids[step]
-            a, b = got.logprobs[step][token].logprob, want.logprobs[step][token].logprob
-            assert abs(a - b) < 0.05, (step, a, b)
+    model_dir = llama8b_widths_dir(tmp_path, default_tokenizer)
+    (fused, fused_counts), (plain, plain_counts) = greedy_runs(
+        model_dir, [list(FUSION_PASSES), _UNFUSED_SKINNY]
+    )
+    names = ("skinny_silu_mul", "skinny_add_rms_norm")
+    assert {k: fused_counts.get(k) for k in names} == {names[0]: 2, names[1]: 4}
+    assert {k: plain_counts.get(k) for k in names} == {names[0]: None, names[1]: None}
+    assert_same_greedy(fused, plain)

@@ -52,6 +52,52 @@ class TritonAttentionBackend:
             k_scale,
             v_scale,
         )
+        self._attend(query, kv_cache, metadata, scale, output, k_scale, v_scale)
+
+    def forward_rope(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool],
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        output: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> bool:
+        """`forward` for a query and key not yet rotated (rope = positions, cos and sin tables,
+        neox style): the rotation and the K/V cache write in one kernel
+        (kernels/triton_rope.py), then the attention launch. Returns False, having done
+        nothing, where that kernel does not apply (not CUDA, an fp8 cache): the caller then
+        rotates and calls `forward`."""
+        if not query.is_cuda or kv_cache.dtype != query.dtype:
+            return False
+        from v1_engine.kernels.triton_rope import rotary_embedding_and_cache
+
+        positions, cos_cache, sin_cache, is_neox_style = rope
+        n = metadata.num_actual_tokens
+        query = rotary_embedding_and_cache(
+            positions[:n], query[:n], key[:n], value[:n], cos_cache, sin_cache, is_neox_style,
+            kv_cache, metadata.slot_mapping[:n],
+        )  # fmt: skip
+        self._attend(query, kv_cache, metadata, scale, output, k_scale, v_scale)
+        return True
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        output: torch.Tensor,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+    ) -> None:
+        """The paged-attention launch over the step's first num_actual_tokens query rows (the
+        cache already holds their K/V); padding rows of `output` get zeros."""
+        num_actual = metadata.num_actual_tokens
         self._paged_attention(
             query[:num_actual],
             kv_cache,

@@ -75,6 +75,29 @@ def _rotate_head_block(
 
 
 @triton.jit
+def _copy_head_block(
+    src_ptr,
+    dst_ptr,
+    head0,
+    num_heads,
+    stride_h,
+    stride_d,
+    HEAD: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    HEAD_BLOCK: tl.constexpr,
+):
+    """Copy heads [head0, head0 + HEAD_BLOCK) of one token from src (strided) to dst's
+    contiguous row of num_heads * HEAD elements."""
+    heads = head0 + tl.arange(0, HEAD_BLOCK)
+    dims = tl.arange(0, HEAD_PAD)
+    mask = (heads < num_heads)[:, None] & (dims < HEAD)[None, :]
+    rows = src_ptr + heads[:, None].to(tl.int64) * stride_h
+    values = tl.load(rows + dims[None, :] * stride_d, mask=mask, other=0.0)
+    out_rows = dst_ptr + heads[:, None].to(tl.int64) * HEAD
+    tl.store(out_rows + dims[None, :], values.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rope_kernel(
     positions_ptr,
     q_ptr,
@@ -91,18 +114,49 @@ def _rope_kernel(
     k_stride_t,
     k_stride_h,
     k_stride_d,
+    v_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    v_stride_t,
+    v_stride_h,
+    v_stride_d,
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     HEAD_BLOCK: tl.constexpr,
     IS_NEOX: tl.constexpr,
+    CACHE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (token, block): block < cdiv(Hq, HEAD_BLOCK) rotates query heads, the rest key
-    heads; both use the token's cos/sin row, gathered here by its position."""
+    """Program (token, block): block < cdiv(Hq, HEAD_BLOCK) rotates query heads, the next
+    cdiv(Hkv, HEAD_BLOCK) key heads; both use the token's cos/sin row, gathered here by its
+    position. CACHE: the rotated key heads go to the token's slot of the paged key cache
+    (k_out_ptr is the key cache, a slot's row of Hkv * D values contiguous), and the blocks after
+    the key's copy the value heads to the value cache; a negative slot (padding) writes nothing."""
     pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     num_q_blocks = tl.cdiv(num_q_heads, HEAD_BLOCK)
+    num_k_blocks = tl.cdiv(num_k_heads, HEAD_BLOCK)
+    k_row_ptr = k_out_ptr + token * num_k_heads * (2 * HALF)
+    write = True
+    if CACHE:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        write = slot >= 0
+        k_row_ptr = k_out_ptr + slot * num_k_heads * (2 * HALF)
+        if block >= num_q_blocks + num_k_blocks:
+            if write:
+                _copy_head_block(
+                    v_ptr + token * v_stride_t,
+                    v_cache_ptr + slot * num_k_heads * (2 * HALF),
+                    (block - num_q_blocks - num_k_blocks) * HEAD_BLOCK,
+                    num_k_heads,
+                    v_stride_h,
+                    v_stride_d,
+                    2 * HALF,
+                    2 * HALF_PAD,
+                    HEAD_BLOCK,
+                )
+            return
     position = tl.load(positions_ptr + token).to(tl.int64)
     pairs = tl.arange(0, HALF_PAD)
     pair_ok = pairs < HALF
@@ -128,10 +182,10 @@ def _rope_kernel(
             HEAD_BLOCK,
             IS_NEOX,
         )
-    else:
+    elif write:
         _rotate_head_block(
             k_ptr + token * k_stride_t,
-            k_out_ptr + token * num_k_heads * (2 * HALF),
+            k_row_ptr,
             (block - num_q_blocks) * HEAD_BLOCK,
             num_k_heads,
             k_stride_h,
@@ -228,11 +282,90 @@ def rotary_embedding(
         num_k_heads,
         *query.stride(),
         *key.stride(),
+        key,  # no value, cache or slots without CACHE
+        k_out,
+        positions,
+        0,
+        0,
+        0,
         HALF=half,
         HALF_PAD=triton.next_power_of_2(half),
         HEAD_BLOCK=head_block,
         IS_NEOX=is_neox_style,
+        CACHE=False,
         num_warps=num_warps,
         **launch_options(query.device),
     )
     return q_out, k_out
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    is_neox_style: bool,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """The rotated query as a new contiguous tensor, and the rotated key and the value written
+    to kv_cache [2, num_blocks, block_size, Hkv, D] (of the query's dtype) at slot_mapping [T]
+    (negative: not written), all in one launch: `rotary_embedding` followed by the cache write
+    (kernels/cache_ops.py), the rotated key never stored elsewhere."""
+    _check_inputs(positions, query, key, cos_cache, sin_cache)
+    num_tokens, num_q_heads, head_size = query.shape
+    num_k_heads = key.shape[1]
+    if value.shape != key.shape or value.dtype != query.dtype or value.device != query.device:
+        raise ValueError(
+            f"value must be {tuple(key.shape)} {query.dtype} on {query.device}, got "
+            f"{tuple(value.shape)} {value.dtype} on {value.device}"
+        )
+    if (
+        kv_cache.dim() != 5
+        or kv_cache.shape[0] != 2
+        or tuple(kv_cache.shape[3:]) != (num_k_heads, head_size)
+        or kv_cache.dtype != query.dtype
+        or not kv_cache.is_contiguous()
+    ):
+        raise ValueError(
+            f"kv_cache must be a contiguous [2, num_blocks, block_size, {num_k_heads}, "
+            f"{head_size}] {query.dtype} tensor, got {tuple(kv_cache.shape)} {kv_cache.dtype}"
+        )
+    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype != torch.int64:
+        raise ValueError(
+            f"slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} "
+            f"{tuple(slot_mapping.shape)}"
+        )
+    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return q_out
+    head_block, num_warps = rope_launch_config(max(num_q_heads, num_k_heads), head_size)
+    num_blocks = triton.cdiv(num_q_heads, head_block) + 2 * triton.cdiv(num_k_heads, head_block)
+    half = head_size // 2
+    _rope_kernel[(num_tokens, num_blocks)](
+        positions,
+        query,
+        key,
+        q_out,
+        kv_cache[0],
+        cos_cache,
+        sin_cache,
+        num_q_heads,
+        num_k_heads,
+        *query.stride(),
+        *key.stride(),
+        value,
+        kv_cache[1],
+        slot_mapping,
+        *value.stride(),
+        HALF=half,
+        HALF_PAD=triton.next_power_of_2(half),
+        HEAD_BLOCK=head_block,
+        IS_NEOX=is_neox_style,
+        CACHE=True,
+        num_warps=num_warps,
+        **launch_options(query.device),
+    )
+    return q_out

@@ -25,8 +25,17 @@ def unified_attention(
     value: torch.Tensor,
     output: torch.Tensor,
     layer_name: str,
+    positions: torch.Tensor | None = None,
+    cos_cache: torch.Tensor | None = None,
+    sin_cache: torch.Tensor | None = None,
+    is_neox_style: bool = True,
 ) -> None:
-    """Attention of layer `layer_name` for the current step; writes `output` [T, Hq, D]."""
+    """Attention of layer `layer_name` for the current step; writes `output` [T, Hq, D].
+
+    With `positions` (and the rotary tables of layers/rotary.py), query and key arrive before
+    their rotary embedding, which is applied here: by the backend together with its K/V cache
+    write where it can (`forward_rope`: one kernel on the Triton backend), else by the rotary op
+    and then the plain path. The `rope_kv_cache` fusion pass moves the rotation in here."""
     context = get_forward_context()
     layer = context.attention_layers[layer_name]
     metadata = context.attn_metadata
@@ -34,17 +43,36 @@ def unified_attention(
         # A run without KV cache (memory profiling): shapes matter, values do not.
         output.zero_()
         return
-    context.attn_backend.forward(
-        query,
-        key,
-        value,
-        layer.kv_cache,
-        metadata,
-        layer.scale,
-        output,
-        k_scale=layer.k_scale,
-        v_scale=layer.v_scale,
-    )
+    backend = context.attn_backend
+    scales = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}
+    if positions is not None:
+        assert cos_cache is not None and sin_cache is not None, "rotary tables are required"
+        rope = (positions, cos_cache, sin_cache, is_neox_style)
+        fused = getattr(backend, "forward_rope", None)
+        if fused is not None and fused(
+            query, key, value, rope, layer.kv_cache, metadata, layer.scale, output, **scales
+        ):
+            return
+        query, key = _rotate(positions, query, key, cos_cache, sin_cache, is_neox_style)
+    backend.forward(query, key, value, layer.kv_cache, metadata, layer.scale, output, **scales)
+
+
+def _rotate(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    is_neox_style: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding as the model applies it: the op's kernel on CUDA, the reference
+    elsewhere (what RotaryEmbedding.forward runs)."""
+    from v1_engine.layers.rotary import rotary_embedding_ref
+
+    args = (positions, query, key, cos_cache, sin_cache, is_neox_style)
+    if query.is_cuda:
+        return torch.ops.v1_engine.rotary_embedding(*args)
+    return rotary_embedding_ref(*args)
 
 
 @unified_attention.register_fake
@@ -54,6 +82,10 @@ def _unified_attention_fake(
     value: torch.Tensor,
     output: torch.Tensor,
     layer_name: str,
+    positions: torch.Tensor | None = None,
+    cos_cache: torch.Tensor | None = None,
+    sin_cache: torch.Tensor | None = None,
+    is_neox_style: bool = True,
 ) -> None:
     return None
 

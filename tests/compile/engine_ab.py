@@ -1,0 +1,64 @@
+"""GPU A/B helpers for fusion passes: one engine per pass list on a 2-layer model of
+Llama-3-8B's widths (dummy weights, bf16, -O2), where the skinny kernels and the decode fusions
+really run, compared on greedy tokens and their logprobs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from v1_engine import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def llama8b_widths_dir(path: Path, tokenizer, layers: int = 2) -> Path:
+    config = json.loads((ROOT / "benchmarks/configs/llama3-8b/config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (path / "config.json").write_text(json.dumps(config))
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def greedy_runs(model_dir: Path, pass_lists: list[list[str]], **llm_kwargs) -> list[tuple]:
+    """For each pass list: (completions of 3 prompts batched then the first alone, the
+    engine's pass match counts)."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, 100000, (n,), generator=gen).tolist() for n in (3, 17, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    runs = []
+    for passes in pass_lists:
+        llm = LLM(
+            str(model_dir),
+            dtype="bfloat16",
+            load_format="dummy",
+            max_model_len=128,
+            num_kv_blocks=64,
+            max_num_seqs=4,
+            compilation_config={"level": 2, "fusion_passes": passes},
+            **llm_kwargs,
+        )
+        matches = dict(llm.engine_core.model_runner._forward.stats.pass_matches)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs += llm.generate(prompts[:1], params, use_tqdm=False)
+        runs.append(([o.outputs[0] for o in outs], matches))
+        del llm
+        torch.cuda.empty_cache()
+    return runs
+
+
+def assert_same_greedy(got: list, want: list, min_agree: int = 4, tol: float = 0.05) -> None:
+    """Same tokens for at least `min_agree` steps of each completion (dummy weights leave
+    near-ties that one rounding may flip later), with logprobs within `tol` while they agree."""
+    for a, b in zip(got, want):
+        agree = next(
+            (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+            len(b.token_ids),
+        )
+        assert agree >= min_agree, (a.token_ids, b.token_ids)
+        for step in range(agree):
+            token = a.token_ids[step]
+            la, lb = a.logprobs[step][token].logprob, b.logprobs[step][token].logprob
+            assert abs(la - lb) < tol, (step, la, lb)
