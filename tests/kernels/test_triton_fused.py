@@ -91,6 +91,23 @@ def test_kernels_read_strided_rows_and_wide_silu_rows_interpreted():
 
 
 @interpreter_only
+def test_norm_walks_long_rows_in_chunks_interpreted(monkeypatch):
+    """Rows wider than MAX_BLOCK take the two-pass chunked walk (the one-pass body holds a whole
+    row in registers): a 300-wide row in chunks of 64 (the last masked) matches the reference as
+    the one-pass body does."""
+    x, residual = values((3, 300), torch.bfloat16, 12), values((3, 300), torch.bfloat16, 13)
+    weight = (1.0 + 0.2 * torch.randn(300, generator=torch.Generator().manual_seed(14))).to(
+        torch.bfloat16
+    )
+    one_pass = triton_fused.add_rms_norm(x, residual, weight, 1e-5)
+    monkeypatch.setattr(triton_fused, "MAX_BLOCK", 64)
+    check_norm(x, residual, weight)
+    chunked = triton_fused.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(chunked[1], one_pass[1])  # x + residual: one rounding either way
+    assert (ulps_apart(chunked[0], one_pass[0]) <= 2.01).all()  # one spacing: sum order
+
+
+@interpreter_only
 def test_ops_run_the_kernels_on_a_device_and_the_refs_on_cpu():
     x, residual = values((2, 32), torch.float32, 7), values((2, 32), torch.float32, 8)
     weight = torch.ones(32)

@@ -23,6 +23,7 @@ from v1_engine.kernels.triton_fused_quant import (
     _TL_DTYPES,
     _normed,
     _residual_sum,
+    _round_to,
     _silu_and_mul,
 )
 from v1_engine.kernels.triton_quant import MAX_BLOCK, _as_rows, _block_for, _num_warps
@@ -47,15 +48,33 @@ def _add_rms_norm_kernel(
     IN_DTYPE: tl.constexpr,
     NORM_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
     HW: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per row: x + residual stored with its sum of squares, then the norm."""
+    """One program per row: x + residual stored with its sum of squares, then the norm.
+    ONE_PASS (the row fits one BLOCK): the sum stays in registers and the norm weight is loaded
+    with x and residual, so its load (from HBM in a decode step, whose weights flush L2) overlaps
+    theirs instead of following the reduction; the same roundings either way."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     residual_row = residual_ptr + row * residual_row_stride
     offsets = tl.arange(0, BLOCK)
+    if ONE_PASS:
+        mask = offsets < row_len
+        w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        s = _residual_sum(x_row, residual_row, offsets, mask, True, IN_DTYPE, HW)
+        tl.store(
+            residual_out_ptr + row * row_len + offsets,
+            s.to(residual_out_ptr.dtype.element_ty),
+            mask=mask,
+        )
+        variance = tl.math.div_rn(tl.sum(s * s, axis=0), row_len_f)
+        normed = _round_to(s * tl.math.rsqrt(variance + eps), IN_DTYPE, HW)
+        y = _round_to(w * normed, NORM_DTYPE, HW)
+        tl.store(out_ptr + row * row_len + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+        return
     squares = tl.zeros([BLOCK], dtype=tl.float32)
     for chunk in range(0, row_len, BLOCK):
         cols = chunk + offsets
@@ -124,6 +143,7 @@ def add_rms_norm(
         IN_DTYPE=_TL_DTYPES[x.dtype],
         NORM_DTYPE=_TL_DTYPES[norm_dtype],
         BLOCK=block,
+        ONE_PASS=row_len <= block,
         num_warps=_num_warps(block),
         HW=not interpreting(),
         **launch_options(x.device),
