@@ -135,13 +135,16 @@ def _rms_norm_quant_kernel(
 
     if ONE_PASS_GROUP > 0:
         mask = offsets < row_len
+        # The weight is loaded with the row, not after the reduction: in a decode step it comes
+        # from HBM (the GEMM weights flush L2), and behind the reduction that load was an extra
+        # round trip (kernels/triton_fused.py's add + RMSNorm measured 1 us a norm).
+        w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         s = _residual_sum(x_row, residual_row, offsets, mask, HAS_RESIDUAL, IN_DTYPE, HW)
         if HAS_RESIDUAL:
             out = residual_out_ptr + row * row_len + offsets
             tl.store(out, s.to(residual_out_ptr.dtype.element_ty), mask=mask)
         variance = tl.math.div_rn(tl.sum(s * s, axis=0), row_len_f)
         normed = _round_to(s * tl.math.rsqrt(variance + eps), IN_DTYPE, HW)
-        w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         y = _round_to(w * normed, NORM_DTYPE, HW)
         _store_groups(
             y,
