@@ -385,22 +385,21 @@ def _skinny_linear_args(node: object) -> tuple[fx.Node, fx.Node] | None:
     return node.args[0], node.args[1]
 
 
-def fuse_skinny_silu_mul(gm: fx.GraphModule) -> int:
-    """skinny_linear(x, gate_up) -> silu_and_mul => `v1_engine::skinny_linear_silu_mul`;
-    runs fuse_silu_and_mul first. Returns matches."""
-    fuse_silu_and_mul(gm)
+def _fuse_into_skinny(
+    gm: fx.GraphModule, consumer: torch._ops.OpOverloadPacket, fused_op: torch._ops.OpOverload
+) -> int:
+    """Every `consumer(skinny_linear(x, w), *rest)` whose GEMM output nothing else reads =>
+    `fused_op(x, w, *rest)`; returns matches."""
     graph, count = gm.graph, 0
     for node in list(graph.nodes):
-        if not _is_op(node, torch.ops.v1_engine.silu_and_mul):
+        if not _is_op(node, consumer):
             continue
-        linear = node.args[0]
+        linear, *rest = node.args
         operands = _skinny_linear_args(linear)
         if operands is None or not _only_used_by(linear, node):
             continue
         with graph.inserting_before(node):
-            fused = graph.call_function(
-                torch.ops.v1_engine.skinny_linear_silu_mul.default, operands
-            )
+            fused = graph.call_function(fused_op, (*operands, *rest))
         _copy_example(node, fused)
         node.replace_all_uses_with(fused)
         _erase(graph, [node, linear])
@@ -408,32 +407,22 @@ def fuse_skinny_silu_mul(gm: fx.GraphModule) -> int:
     if count:
         gm.recompile()
     return count
+
+
+def fuse_skinny_silu_mul(gm: fx.GraphModule) -> int:
+    """skinny_linear(x, gate_up) -> silu_and_mul => `v1_engine::skinny_linear_silu_mul`;
+    runs fuse_silu_and_mul first. Returns matches."""
+    fuse_silu_and_mul(gm)
+    ops = torch.ops.v1_engine
+    return _fuse_into_skinny(gm, ops.silu_and_mul, ops.skinny_linear_silu_mul.default)
 
 
 def fuse_skinny_add_rms_norm(gm: fx.GraphModule) -> int:
     """skinny_linear(x, w) -> fused_add_rms_norm(., residual, norm_w, eps) =>
     `v1_engine::skinny_linear_add_rms_norm`; runs fuse_add_rms_norm first. Returns matches."""
     fuse_add_rms_norm(gm)
-    graph, count = gm.graph, 0
-    for node in list(graph.nodes):
-        if not _is_op(node, torch.ops.v1_engine.fused_add_rms_norm):
-            continue
-        linear, residual, weight, eps = node.args
-        operands = _skinny_linear_args(linear)
-        if operands is None or not _only_used_by(linear, node):
-            continue
-        with graph.inserting_before(node):
-            fused = graph.call_function(
-                torch.ops.v1_engine.skinny_linear_add_rms_norm.default,
-                (*operands, residual, weight, eps),
-            )
-        _copy_example(node, fused)
-        node.replace_all_uses_with(fused)
-        _erase(graph, [node, linear])
-        count += 1
-    if count:
-        gm.recompile()
-    return count
+    ops = torch.ops.v1_engine
+    return _fuse_into_skinny(gm, ops.fused_add_rms_norm, ops.skinny_linear_add_rms_norm.default)
 
 
 # ---- rotary embedding into the attention op --------------------------------------------------

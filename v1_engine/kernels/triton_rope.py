@@ -261,14 +261,37 @@ def rotary_embedding(
     """Rotated (query, key) as new contiguous tensors, in one kernel launch. Positions must lie
     in [0, max_position) (not checked: that would need a device-to-host sync)."""
     _check_inputs(positions, query, key, cos_cache, sin_cache)
-    num_tokens, num_q_heads, head_size = query.shape
+    num_tokens, num_q_heads = query.shape[:2]
     num_k_heads = key.shape[1]
     q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     if num_tokens == 0 or (num_q_heads == 0 and num_k_heads == 0):
         return q_out, k_out
+    _launch(positions, query, key, q_out, k_out, cos_cache, sin_cache, is_neox_style, None)
+    return q_out, k_out
+
+
+def _launch(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    is_neox_style: bool,
+    cache: tuple | None,
+) -> None:
+    """One `_rope_kernel` launch over every token; `cache` = (value, value cache, slot_mapping,
+    value strides) turns CACHE on (k_out is then the key cache), else the dummies to pass."""
+    num_tokens, num_q_heads, head_size = query.shape
+    num_k_heads = key.shape[1]
     head_block, num_warps = rope_launch_config(max(num_q_heads, num_k_heads), head_size)
-    num_blocks = triton.cdiv(num_q_heads, head_block) + triton.cdiv(num_k_heads, head_block)
+    k_blocks = triton.cdiv(num_k_heads, head_block)
+    write = cache is not None
+    if not write:  # the value, cache and slot arguments are never read: dummies
+        cache = (key, k_out, positions, 0, 0, 0)
+    num_blocks = triton.cdiv(num_q_heads, head_block) + (2 if write else 1) * k_blocks
     half = head_size // 2
     _rope_kernel[(num_tokens, num_blocks)](
         positions,
@@ -282,21 +305,15 @@ def rotary_embedding(
         num_k_heads,
         *query.stride(),
         *key.stride(),
-        key,  # no value, cache or slots without CACHE
-        k_out,
-        positions,
-        0,
-        0,
-        0,
+        *cache,
         HALF=half,
         HALF_PAD=triton.next_power_of_2(half),
         HEAD_BLOCK=head_block,
         IS_NEOX=is_neox_style,
-        CACHE=False,
+        CACHE=write,
         num_warps=num_warps,
         **launch_options(query.device),
     )
-    return q_out, k_out
 
 
 def rotary_embedding_and_cache(
@@ -315,7 +332,7 @@ def rotary_embedding_and_cache(
     (negative: not written), all in one launch: `rotary_embedding` followed by the cache write
     (kernels/cache_ops.py), the rotated key never stored elsewhere."""
     _check_inputs(positions, query, key, cos_cache, sin_cache)
-    num_tokens, num_q_heads, head_size = query.shape
+    num_tokens, _, head_size = query.shape
     num_k_heads = key.shape[1]
     if value.shape != key.shape or value.dtype != query.dtype or value.device != query.device:
         raise ValueError(
@@ -341,31 +358,6 @@ def rotary_embedding_and_cache(
     q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return q_out
-    head_block, num_warps = rope_launch_config(max(num_q_heads, num_k_heads), head_size)
-    num_blocks = triton.cdiv(num_q_heads, head_block) + 2 * triton.cdiv(num_k_heads, head_block)
-    half = head_size // 2
-    _rope_kernel[(num_tokens, num_blocks)](
-        positions,
-        query,
-        key,
-        q_out,
-        kv_cache[0],
-        cos_cache,
-        sin_cache,
-        num_q_heads,
-        num_k_heads,
-        *query.stride(),
-        *key.stride(),
-        value,
-        kv_cache[1],
-        slot_mapping,
-        *value.stride(),
-        HALF=half,
-        HALF_PAD=triton.next_power_of_2(half),
-        HEAD_BLOCK=head_block,
-        IS_NEOX=is_neox_style,
-        CACHE=True,
-        num_warps=num_warps,
-        **launch_options(query.device),
-    )
+    cache = (value, kv_cache[1], slot_mapping, *value.stride())
+    _launch(positions, query, key, q_out, kv_cache[0], cos_cache, sin_cache, is_neox_style, cache)
     return q_out

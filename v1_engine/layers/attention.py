@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from v1_engine.forward_context import get_forward_context
+from v1_engine.layers.rotary import apply_rotary
 
 
 @torch.library.custom_op("v1_engine::unified_attention", mutates_args=("output",))
@@ -53,26 +54,8 @@ def unified_attention(
             query, key, value, rope, layer.kv_cache, metadata, layer.scale, output, **scales
         ):
             return
-        query, key = _rotate(positions, query, key, cos_cache, sin_cache, is_neox_style)
+        query, key = apply_rotary(positions, query, key, cos_cache, sin_cache, is_neox_style)
     backend.forward(query, key, value, layer.kv_cache, metadata, layer.scale, output, **scales)
-
-
-def _rotate(
-    positions: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-    is_neox_style: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary embedding as the model applies it: the op's kernel on CUDA, the reference
-    elsewhere (what RotaryEmbedding.forward runs)."""
-    from v1_engine.layers.rotary import rotary_embedding_ref
-
-    args = (positions, query, key, cos_cache, sin_cache, is_neox_style)
-    if query.is_cuda:
-        return torch.ops.v1_engine.rotary_embedding(*args)
-    return rotary_embedding_ref(*args)
 
 
 @unified_attention.register_fake

@@ -175,13 +175,28 @@ class RotaryEmbedding(nn.Module):
                 f"query and key head size must be {self.head_size}, "
                 f"got {query.shape[-1]} and {key.shape[-1]}"
             )
-        args = (positions, query, key, self.cos_cache, self.sin_cache, self.is_neox_style)
-        if query.is_cuda:
-            return torch.ops.v1_engine.rotary_embedding(*args)
-        # Elsewhere the PyTorch code itself, not the op: torch.compile then fuses it into the
-        # layer as it always has, so compiled CPU results stay bit-identical to before the op
-        # existed (an opaque op there moves bf16 roundings and greedy tokens of tiny models).
-        return rotary_embedding_ref(*args)
+        return apply_rotary(
+            positions, query, key, self.cos_cache, self.sin_cache, self.is_neox_style
+        )
+
+
+def apply_rotary(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    is_neox_style: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation as the models apply it (RotaryEmbedding.forward, and the attention op when
+    the `rope_kv_cache` pass moved it there without a fused backend path): the op's one kernel
+    on CUDA. Elsewhere the PyTorch code itself, not the op: torch.compile then fuses it into the
+    layer as it always has, so compiled CPU results stay bit-identical to before the op existed
+    (an opaque op there moves bf16 roundings and greedy tokens of tiny models)."""
+    args = (positions, query, key, cos_cache, sin_cache, is_neox_style)
+    if query.is_cuda:
+        return torch.ops.v1_engine.rotary_embedding(*args)
+    return rotary_embedding_ref(*args)
 
 
 def get_rope(head_size: int, max_position: int, rope_parameters: dict[str, Any]) -> RotaryEmbedding:
