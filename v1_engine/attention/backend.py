@@ -42,7 +42,13 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Computes causal attention of the step's queries over each request's paged KV."""
+    """Computes causal attention of the step's queries over each request's paged KV.
+
+    A backend may also offer `forward_rope(query, key, value, rope, kv_cache, metadata, scale,
+    output, k_scale=None, v_scale=None) -> bool` for a query and key not yet rotated (rope =
+    positions, cos and sin tables, neox style; the `rope_kv_cache` fusion pass sends those): it
+    returns False, having done nothing, where it cannot fuse, and the attention op then rotates
+    and calls `forward` (layers/attention.py). The Triton backend has it."""
 
     def forward(
         self,

@@ -21,9 +21,9 @@ from v1_engine.kernels import interpreting
 from v1_engine.kernels.pdl import launch_options, pdl_enter
 from v1_engine.kernels.triton_fused_quant import (
     _TL_DTYPES,
+    _norm_row_one_pass,
     _normed,
     _residual_sum,
-    _round_to,
     _silu_and_mul,
 )
 from v1_engine.kernels.triton_quant import MAX_BLOCK, _as_rows, _block_for, _num_warps
@@ -63,16 +63,10 @@ def _add_rms_norm_kernel(
     offsets = tl.arange(0, BLOCK)
     if ONE_PASS:
         mask = offsets < row_len
-        w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        s = _residual_sum(x_row, residual_row, offsets, mask, True, IN_DTYPE, HW)
-        tl.store(
-            residual_out_ptr + row * row_len + offsets,
-            s.to(residual_out_ptr.dtype.element_ty),
-            mask=mask,
-        )
-        variance = tl.math.div_rn(tl.sum(s * s, axis=0), row_len_f)
-        normed = _round_to(s * tl.math.rsqrt(variance + eps), IN_DTYPE, HW)
-        y = _round_to(w * normed, NORM_DTYPE, HW)
+        y = _norm_row_one_pass(
+            x_row, residual_row, w_ptr, residual_out_ptr + row * row_len, offsets, mask,
+            row_len_f, eps, True, IN_DTYPE, NORM_DTYPE, HW,
+        )  # fmt: skip
         tl.store(out_ptr + row * row_len + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
         return
     squares = tl.zeros([BLOCK], dtype=tl.float32)

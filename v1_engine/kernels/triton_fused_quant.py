@@ -96,6 +96,35 @@ def _normed(
 
 
 @triton.jit
+def _norm_row_one_pass(
+    x_row,
+    residual_row,
+    w_ptr,
+    residual_out_row,
+    offsets,
+    mask,
+    row_len_f,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    IN_DTYPE: tl.constexpr,
+    NORM_DTYPE: tl.constexpr,
+    HW: tl.constexpr,
+):
+    """weight * rmsnorm(x (+ residual)) of a row that fits one block, in fp32 rounded as the
+    unfused ops round (storing x + residual on the way when HAS_RESIDUAL). The weight is loaded
+    with the row, not after the reduction: in a decode step it comes from HBM (the GEMM weights
+    flush L2), and behind the reduction that load was an extra round trip (benchmarks/RESULTS.md,
+    "add + RMSNorm in one pass": 1 us a norm)."""
+    w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    s = _residual_sum(x_row, residual_row, offsets, mask, HAS_RESIDUAL, IN_DTYPE, HW)
+    if HAS_RESIDUAL:
+        tl.store(residual_out_row + offsets, s.to(residual_out_row.dtype.element_ty), mask=mask)
+    variance = tl.math.div_rn(tl.sum(s * s, axis=0), row_len_f)
+    normed = _round_to(s * tl.math.rsqrt(variance + eps), IN_DTYPE, HW)
+    return _round_to(w * normed, NORM_DTYPE, HW)
+
+
+@triton.jit
 def _rms_norm_quant_kernel(
     x_ptr,
     residual_ptr,
@@ -135,17 +164,10 @@ def _rms_norm_quant_kernel(
 
     if ONE_PASS_GROUP > 0:
         mask = offsets < row_len
-        # The weight is loaded with the row, not after the reduction: in a decode step it comes
-        # from HBM (the GEMM weights flush L2), and behind the reduction that load was an extra
-        # round trip (kernels/triton_fused.py's add + RMSNorm measured 1 us a norm).
-        w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        s = _residual_sum(x_row, residual_row, offsets, mask, HAS_RESIDUAL, IN_DTYPE, HW)
-        if HAS_RESIDUAL:
-            out = residual_out_ptr + row * row_len + offsets
-            tl.store(out, s.to(residual_out_ptr.dtype.element_ty), mask=mask)
-        variance = tl.math.div_rn(tl.sum(s * s, axis=0), row_len_f)
-        normed = _round_to(s * tl.math.rsqrt(variance + eps), IN_DTYPE, HW)
-        y = _round_to(w * normed, NORM_DTYPE, HW)
+        y = _norm_row_one_pass(
+            x_row, residual_row, w_ptr, residual_out_ptr + row * row_len, offsets, mask,
+            row_len_f, eps, HAS_RESIDUAL, IN_DTYPE, NORM_DTYPE, HW,
+        )  # fmt: skip
         _store_groups(
             y,
             q_ptr + row * row_len,
@@ -218,10 +240,17 @@ def _silu_and_mul(x_row, cols, mask, half_len, IN_DTYPE: tl.constexpr, HW: tl.co
     """silu(gate) * up with both roundings to x's dtype the unfused ops make, in fp32."""
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + half_len + cols, mask=mask, other=0.0).to(tl.float32)
+    return _silu_mul_values(gate, up, IN_DTYPE, HW)
+
+
+@triton.jit
+def _silu_mul_values(gate, up, DTYPE: tl.constexpr, HW: tl.constexpr):
+    """silu(gate) * up of float32 values already in DTYPE, rounded to DTYPE as the unfused ops
+    round the SiLU and the product (also the skinny gated GEMM's epilogue)."""
     # `/` is the GPU's fast division (2 ulps), like `exp`'s approximation: a bf16 output is
     # rounded from them either way (see the module's note on ulps).
-    silu = _round_to(gate / (1.0 + tl.exp(-gate)), IN_DTYPE, HW)
-    return _round_to(silu * up, IN_DTYPE, HW)
+    silu = _round_to(gate / (1.0 + tl.exp(-gate)), DTYPE, HW)
+    return _round_to(silu * up, DTYPE, HW)
 
 
 @triton.jit

@@ -43,7 +43,7 @@ from v1_engine.kernels import interpreting
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
 from v1_engine.kernels.skinny_tuned import TUNED_LAUNCH
-from v1_engine.kernels.triton_fused_quant import _round_to
+from v1_engine.kernels.triton_fused_quant import _round_to, _silu_mul_values
 
 SKINNY_MAX_M = 64
 """Largest row count the skinny kernel takes; more rows go to F.linear (compute starts to
@@ -204,11 +204,9 @@ def _tile_result(acc, MODE: tl.constexpr):
 
 @triton.jit
 def _silu_mul(gate, up, DTYPE: tl.constexpr, HW: tl.constexpr):
-    """silu(gate) * up of float32 tiles with the roundings to DTYPE the unfused ops make (the
-    GEMM's output, the SiLU, the product: kernels/triton_fused.py's SiLU-and-mul)."""
-    gate = _round_to(gate, DTYPE, HW)
-    silu = _round_to(gate / (1.0 + tl.exp(-gate)), DTYPE, HW)
-    return _round_to(silu * _round_to(up, DTYPE, HW), DTYPE, HW)
+    """The gated epilogue: silu(gate) * up of float32 GEMM tiles, each first rounded to DTYPE
+    as the unfused GEMM stores it, then kernels/triton_fused.py's SiLU-and-mul roundings."""
+    return _silu_mul_values(_round_to(gate, DTYPE, HW), _round_to(up, DTYPE, HW), DTYPE, HW)
 
 
 @triton.jit
