@@ -136,6 +136,16 @@ def main() -> None:
     for key, cap in (("default_decode_attention", None), ("capped_decode_attention", 64)):
         triton_attention.paged_attention(*attention, launch={"maxnreg": cap} if cap else None)
         results[key] = _resources("_paged_attention_kernel")
+    # The decode launch with the rotary embedding and the new K/V write fused in.
+    query, cache = attention[0], attention[1]
+    reqs, heads, head = query.shape
+    kv_heads = cache.shape[3]
+    kv = torch.zeros(reqs, kv_heads, head, dtype=torch.bfloat16)
+    tables = torch.zeros(4096, head // 2, dtype=torch.float32)
+    positions = torch.zeros(reqs, dtype=torch.int64)
+    rope = (kv, kv, positions, tables, tables, True, positions)
+    triton_attention.paged_attention(*attention, rope=rope)
+    results["rope_decode_attention"] = _resources("_paged_attention_kernel")
     for key, cap in (("default_mla", None), ("capped_mla", 128)):
         triton_mla.mla_decode(*mla, maxnreg=cap)
         results[key] = _resources("_mla_decode_kernel")

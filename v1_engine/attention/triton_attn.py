@@ -68,16 +68,23 @@ class TritonAttentionBackend:
         v_scale: torch.Tensor | None = None,
     ) -> bool:
         """`forward` for a query and key not yet rotated (rope = positions, cos and sin tables,
-        neox style): the rotation and the K/V cache write in one kernel
-        (kernels/triton_rope.py), then the attention launch. Returns False, having done
-        nothing, where that kernel does not apply (not CUDA, an fp8 cache): the caller then
-        rotates and calls `forward`."""
+        neox style). A decode step (one query token per request) runs one kernel: paged
+        attention rotates the query and key itself, writes the new K/V and attends
+        (`paged_attention(rope=...)`). Other steps rotate and write the cache in one kernel
+        (kernels/triton_rope.py), then launch the attention. Returns False, having done
+        nothing, where neither applies (not CUDA, an fp8 cache): the caller then rotates and
+        calls `forward`."""
         if not query.is_cuda or kv_cache.dtype != query.dtype:
             return False
-        from v1_engine.kernels.triton_rope import rotary_embedding_and_cache
-
         positions, cos_cache, sin_cache, is_neox_style = rope
         n = metadata.num_actual_tokens
+        if metadata.max_query_len == 1:
+            fused = (key[:n], value[:n], positions[:n], cos_cache, sin_cache, is_neox_style,
+                     metadata.slot_mapping[:n])  # fmt: skip
+            self._attend(query, kv_cache, metadata, scale, output, None, None, fused)
+            return True
+        from v1_engine.kernels.triton_rope import rotary_embedding_and_cache
+
         query = rotary_embedding_and_cache(
             positions[:n], query[:n], key[:n], value[:n], cos_cache, sin_cache, is_neox_style,
             kv_cache, metadata.slot_mapping[:n],
@@ -94,9 +101,11 @@ class TritonAttentionBackend:
         output: torch.Tensor,
         k_scale: torch.Tensor | None,
         v_scale: torch.Tensor | None,
+        rope: tuple | None = None,
     ) -> None:
         """The paged-attention launch over the step's first num_actual_tokens query rows (the
-        cache already holds their K/V); padding rows of `output` get zeros."""
+        cache already holds their K/V, or `rope` has the kernel write them: see
+        `forward_rope`); padding rows of `output` get zeros."""
         num_actual = metadata.num_actual_tokens
         self._paged_attention(
             query[:num_actual],
@@ -111,6 +120,7 @@ class TritonAttentionBackend:
             num_splits=self.num_splits,
             k_scale=k_scale,
             v_scale=v_scale,
+            rope=rope,
         )
         # Padding rows (a batch padded for a captured graph) get zeros, never stale values.
         if output.shape[0] > num_actual:

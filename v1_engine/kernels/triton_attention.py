@@ -42,6 +42,7 @@ import triton.language as tl
 from v1_engine.kernels import interpreting
 from v1_engine.kernels.cache_ops import check_fp8_scales
 from v1_engine.kernels.pdl import launch_options, pdl_enter, pdl_release, pdl_wait
+from v1_engine.kernels.triton_rope import check_rope_decode_args, rope_dims, rope_tables, rotate_rows
 
 _LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -174,6 +175,12 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
     scale_log2,
     num_reqs,
     num_splits,
@@ -185,6 +192,10 @@ def _paged_attention_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -198,6 +209,8 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
     KV_FP8: tl.constexpr,
+    ROPE: tl.constexpr,
+    IS_NEOX: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -223,11 +236,26 @@ def _paged_attention_kernel(
     dims = tl.arange(0, HEAD_PAD)
     dim_valid = dims < HEAD_SIZE
     q_mask = row_valid[:, None] & dim_valid[None, :]
-    q = tl.load(
-        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-        mask=q_mask,
-        other=0.0,
-    )
+    q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    if ROPE:
+        # Decode (one query token per request, host-checked): rotate the token's query heads
+        # and its key head here and write its K/V to the cache before the tiles are read.
+        src, partner, pair, first = rope_dims(dims, HEAD_SIZE // 2, IS_NEOX)
+        position = tl.load(positions_ptr + q_start).to(tl.int64)
+        cos, sin = rope_tables(cos_ptr, sin_ptr, position, pair, dim_valid,
+                               q_ptr.dtype.element_ty, HEAD_SIZE // 2, IS_NEOX)  # fmt: skip
+        q_src = tl.load(q_rows + src[None, :], mask=q_mask, other=0.0)
+        q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
+        q = rotate_rows(q_src, q_partner, cos[None, :], sin[None, :], first[None, :])
+        q = q.to(q_ptr.dtype.element_ty)
+        k_row = k_new_ptr + q_start.to(tl.int64) * stride_knt + kv_head * stride_knh
+        k_src = tl.load(k_row + src, mask=dim_valid, other=0.0)
+        k_partner = tl.load(k_row + partner, mask=dim_valid, other=0.0)
+        k_new = rotate_rows(k_src, k_partner, cos, sin, first).to(q_ptr.dtype.element_ty)
+        v_row = v_new_ptr + q_start.to(tl.int64) * stride_vnt + kv_head * stride_vnh
+        v_new = tl.load(v_row + dims, mask=dim_valid, other=0.0)
+    else:
+        q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
     q_pos = context_len + tok_local  # absolute position of each row's token
@@ -257,6 +285,17 @@ def _paged_attention_kernel(
     # pay for it.
     first_pos = context_len + local_block * BLOCK_Q
     full_hi = tl.maximum(tl.minimum((first_pos + 1) // TILE, tile_hi), tile_lo)
+    if ROPE:
+        # Only the split whose tiles hold the new position reads it, so it alone writes it;
+        # the barrier makes the stores visible to the program's other threads (CTA scope).
+        new_tile = (seq_len - 1) // TILE
+        slot = tl.load(slot_ptr + q_start).to(tl.int64)
+        if (new_tile >= tile_lo) & (new_tile < tile_hi) & (slot >= 0):
+            cache_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+            cache_off += kv_head * stride_ch + dims
+            tl.store(k_cache_ptr + cache_off, k_new, mask=dim_valid)
+            tl.store(v_cache_ptr + cache_off, v_new, mask=dim_valid)
+        tl.debug_barrier()
     m_i, l_i, acc = _attend_tiles(
         m_i, l_i, acc, q, q_pos, tile_lo, full_hi, kv_len, table_row, k_cache_ptr, v_cache_ptr,
         kv_head, dims, dim_valid, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE,
@@ -395,6 +434,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     launch: dict[str, int] | None = None,
+    rope: tuple | None = None,
 ) -> None:
     """Causal attention of query [T, Hq, D] over the paged cache, written into output [T, Hq, D].
 
@@ -406,12 +446,28 @@ def paged_attention(
     (float32 [1] tensors, required then); a cache in the query's dtype ignores the scales.
     `launch` overrides the launch configuration (keys block_m, tile, num_warps, num_stages,
     maxnreg: a cap on registers per thread, so more programs fit an SM; tuning).
+
+    `rope` = (key, value, positions, cos_cache, sin_cache, is_neox_style, slot_mapping), decode
+    steps only (max_query_len 1) with a cache in the query's dtype: query and key arrive not yet
+    rotated (views of the QKV GEMM output), and this one launch rotates them as
+    kernels/triton_rope.py does, writes the new K/V at slot_mapping and attends, so the cache
+    need not hold the new tokens beforehand.
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[3]
     block_size = kv_cache.shape[2]
     _check_args(query, kv_cache, block_table, seq_lens, query_start_loc, output)
     kv_fp8 = kv_cache.dtype == FP8_CACHE_DTYPE
+    if rope is not None:
+        key, value, positions, cos_cache, sin_cache, is_neox, slot_mapping = rope
+        check_rope_decode_args(positions, query, key, value, cos_cache, sin_cache, kv_cache,
+                               slot_mapping, max_query_len)  # fmt: skip
+        rope_args = (key, value, positions, cos_cache, sin_cache, slot_mapping)
+        rope_strides = (key.stride(0), key.stride(1), value.stride(0), value.stride(1))
+    else:
+        is_neox = False
+        rope_args = (query, query, seq_lens, query, query, seq_lens)  # never read
+        rope_strides = (0, 0, 0, 0)
     if kv_fp8:
         check_fp8_scales(k_scale, v_scale, kv_cache.device)
     else:
@@ -473,6 +529,7 @@ def paged_attention(
         query_start_loc,
         k_scale,
         v_scale,
+        *rope_args,
         scale * _LOG2E,
         num_reqs,
         num_splits,
@@ -484,6 +541,7 @@ def paged_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         block_table.stride(0),
+        *rope_strides,
         NUM_HEADS=num_heads,
         GROUP=group,
         GROUP_PAD=group_pad,
@@ -497,6 +555,8 @@ def paged_attention(
         DOT_PRECISION="ieee" if dot_f32 else "tf32",
         DOT_F32=dot_f32,
         KV_FP8=kv_fp8,
+        ROPE=rope is not None,
+        IS_NEOX=bool(is_neox),
         num_warps=num_warps,
         num_stages=num_stages,
         **options,

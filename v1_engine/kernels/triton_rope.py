@@ -75,6 +75,46 @@ def _rotate_head_block(
 
 
 @triton.jit
+def rope_dims(dims, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """For each output index d of a rotated head (this module's layout: rotated first elements
+    of the pairs in [0, HALF), second elements in [HALF, 2 HALF)): the index of the input
+    element it starts from, the index of its pair partner, its pair, and whether it is a first
+    element. Consumers that rotate a whole head row at once (the decode attention kernel)
+    gather the row twice with these and call `rotate_rows`."""
+    first = dims < HALF
+    pair = tl.where(first, dims, dims - HALF)
+    if IS_NEOX:
+        src = dims
+        partner = tl.where(first, dims + HALF, dims - HALF)
+    else:
+        src = 2 * pair + tl.where(first, 0, 1)
+        partner = 2 * pair + tl.where(first, 1, 0)
+    return src, partner, pair, first
+
+
+@triton.jit
+def rope_tables(cos_ptr, sin_ptr, position, pair, valid, DTYPE: tl.constexpr,
+                HALF: tl.constexpr, IS_NEOX: tl.constexpr):  # fmt: skip
+    """The cos and sin of `position` for each pair index, in float32 (the neox style rounds
+    them to the model dtype first, as `_rope_kernel` does)."""
+    cos = tl.load(cos_ptr + position * HALF + pair, mask=valid, other=0.0)
+    sin = tl.load(sin_ptr + position * HALF + pair, mask=valid, other=0.0)
+    if IS_NEOX:
+        cos = cos.to(DTYPE).to(tl.float32)
+        sin = sin.to(DTYPE).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
+def rotate_rows(x_src, x_partner, cos, sin, first):
+    """The rotated values, in float32, with `_rotate_head_block`'s expressions: for a first
+    element x1 cos - x2 sin, for a second x2 cos + x1 sin."""
+    x_src = x_src.to(tl.float32)
+    x_partner = x_partner.to(tl.float32)
+    return tl.where(first, x_src * cos - x_partner * sin, x_src * cos + x_partner * sin)
+
+
+@triton.jit
 def _copy_head_block(
     src_ptr,
     dst_ptr,
@@ -316,21 +356,18 @@ def _launch(
     )
 
 
-def rotary_embedding_and_cache(
+def _check_cache_write(
     positions: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
-    is_neox_style: bool,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> torch.Tensor:
-    """The rotated query as a new contiguous tensor, and the rotated key and the value written
-    to kv_cache [2, num_blocks, block_size, Hkv, D] (of the query's dtype) at slot_mapping [T]
-    (negative: not written), all in one launch: `rotary_embedding` followed by the cache write
-    (kernels/cache_ops.py), the rotated key never stored elsewhere."""
+) -> None:
+    """Raises ValueError naming the argument of a rotation fused with the K/V cache write that
+    does not fit (the rotation's own inputs, then value, kv_cache and slot_mapping)."""
     _check_inputs(positions, query, key, cos_cache, sin_cache)
     num_tokens, _, head_size = query.shape
     num_k_heads = key.shape[1]
@@ -355,6 +392,50 @@ def rotary_embedding_and_cache(
             f"slot_mapping must be int64 [{num_tokens}], got {slot_mapping.dtype} "
             f"{tuple(slot_mapping.shape)}"
         )
+
+
+def check_rope_decode_args(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    max_query_len: int,
+) -> None:
+    """Raises ValueError unless paged attention may rotate the query and key itself and write
+    the new K/V (kernels/triton_attention.py, `rope=`): a decode step (one query token per
+    request), arguments as `rotary_embedding_and_cache` takes them, key and value rows with a
+    unit last stride."""
+    if max_query_len != 1:
+        raise ValueError(
+            f"the rotary embedding fuses into paged attention for decode steps only "
+            f"(max_query_len 1), got max_query_len {max_query_len}"
+        )
+    _check_cache_write(positions, query, key, value, cos_cache, sin_cache, kv_cache, slot_mapping)
+    if key.stride(2) != 1 or value.stride(2) != 1:
+        raise ValueError("key and value must have a unit last stride for the fused decode RoPE")
+
+
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    is_neox_style: bool,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """The rotated query as a new contiguous tensor, and the rotated key and the value written
+    to kv_cache [2, num_blocks, block_size, Hkv, D] (of the query's dtype) at slot_mapping [T]
+    (negative: not written), all in one launch: `rotary_embedding` followed by the cache write
+    (kernels/cache_ops.py), the rotated key never stored elsewhere."""
+    _check_cache_write(positions, query, key, value, cos_cache, sin_cache, kv_cache, slot_mapping)
+    num_tokens = query.shape[0]
     q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return q_out

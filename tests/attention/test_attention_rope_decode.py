@@ -1,0 +1,142 @@
+"""Paged attention with the rotary embedding and the new token's K/V write fused in (decode
+steps: `paged_attention(..., rope=...)`) against the two launches it replaces: the rotation
+fused with the cache write (kernels/triton_rope.py), then paged attention over the cache.
+
+Under the Triton interpreter on CPU: tiny shapes, both rotary styles, split-KV, contexts that end
+on a tile boundary; the cache must come out identical and the outputs equal. On the device: the
+Llama-3-8B heads at decode batch sizes, the cache identical and outputs within rounding.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+_CUDA = torch.cuda.is_available()
+if not _CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+if not _CUDA:
+    for _name in ("v1_engine.kernels.triton_rope", "v1_engine.kernels.triton_attention"):
+        if _name in sys.modules:
+            importlib.reload(sys.modules[_name])
+
+from v1_engine.kernels import triton_attention as ta
+from v1_engine.kernels import triton_rope
+from v1_engine.layers.rotary import RotaryEmbedding, compute_inv_freq
+
+DEVICE = "cuda" if _CUDA else "cpu"
+
+
+def decode_case(context_lens, hq, hkv, d, block_size, dtype, neox, seed):
+    """A decode step: each request's new token at position = its context length, its query /
+    key / value as views of one QKV output, a randomly filled cache with shuffled blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + 1 for c in context_lens]
+    blocks = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks) + 2
+    order = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = order[used : used + n].int()
+        used += n
+    positions = torch.tensor(context_lens, dtype=torch.int64)
+    slots = torch.tensor(
+        [int(table[i, p // block_size]) * block_size + p % block_size for i, p in
+         enumerate(context_lens)], dtype=torch.int64,
+    )  # fmt: skip
+    tokens = len(seq_lens)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen).to(DEVICE, dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    inv_freq = compute_inv_freq(d, {"rope_type": "default", "rope_theta": 10000.0})
+    rope = RotaryEmbedding(d, 4096, inv_freq, 1.0, neox).to(DEVICE)
+    return {
+        "q": q.view(tokens, hq, d),
+        "k": k.view(tokens, hkv, d),
+        "v": v.view(tokens, hkv, d),
+        "kv_cache": torch.randn(2, num_blocks, block_size, hkv, d, generator=gen).to(DEVICE, dtype),
+        "block_table": table.to(DEVICE),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        "query_start_loc": torch.arange(tokens + 1, dtype=torch.int32, device=DEVICE),
+        "positions": positions.to(DEVICE),
+        "slots": slots.to(DEVICE),
+        "tables": (rope.cos_cache, rope.sin_cache, neox),
+        "max_seq_len": max(seq_lens),
+        "scale": d**-0.5,
+    }
+
+
+def unfused(case, num_splits):
+    cache = case["kv_cache"].clone()
+    q = triton_rope.rotary_embedding_and_cache(
+        case["positions"], case["q"], case["k"], case["v"], *case["tables"], cache, case["slots"]
+    )
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    ta.paged_attention(q, cache, case["block_table"], case["seq_lens"], case["query_start_loc"],
+                       1, case["max_seq_len"], case["scale"], out, num_splits=num_splits)  # fmt: skip
+    return out, cache
+
+
+def fused(case, num_splits):
+    cache = case["kv_cache"].clone()
+    cos, sin, neox = case["tables"]
+    rope = (case["k"], case["v"], case["positions"], cos, sin, neox, case["slots"])
+    out = torch.full(case["q"].shape, float("nan"), dtype=case["q"].dtype, device=DEVICE)
+    ta.paged_attention(case["q"], cache, case["block_table"], case["seq_lens"],
+                       case["query_start_loc"], 1, case["max_seq_len"], case["scale"], out,
+                       num_splits=num_splits, rope=rope)  # fmt: skip
+    return out, cache
+
+
+@pytest.mark.skipif(_CUDA, reason="the gpu case covers this on a CUDA machine")
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 2, 4])
+def test_fused_decode_rope_equals_rope_write_then_attend(neox, dtype, num_splits):
+    """Contexts 31 / 63 put the new token last in a 32-token tile (float32 decode tile) and
+    last in a block; 64 first in one; GQA 3 padded to 4; head size 24 (half not a power of 2)."""
+    case = decode_case([31, 63, 64, 100, 5], 6, 2, 24, 8, dtype, neox, seed=11)
+    out_ref, cache_ref = unfused(case, num_splits)
+    out, cache = fused(case, num_splits)
+    assert torch.equal(cache, cache_ref), "the new K/V must land in the cache exactly"
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+
+
+def test_fused_decode_rope_rejects_prefill_and_bad_arguments():
+    case = decode_case([3, 4], 4, 2, 16, 4, torch.float32, True, seed=1)
+    cos, sin, neox = case["tables"]
+    args = (case["q"], case["kv_cache"], case["block_table"], case["seq_lens"],
+            case["query_start_loc"])  # fmt: skip
+    out = torch.empty_like(case["q"])
+    rope = (case["k"], case["v"], case["positions"], cos, sin, neox, case["slots"])
+    with pytest.raises(ValueError, match="max_query_len 1"):
+        ta.paged_attention(*args, 2, case["max_seq_len"], 0.25, out, rope=rope)
+    bad_slots = (case["k"], case["v"], case["positions"], cos, sin, neox, case["slots"].int())
+    with pytest.raises(ValueError, match="slot_mapping must be int64"):
+        ta.paged_attention(*args, 1, case["max_seq_len"], 0.25, out, rope=bad_slots)
+    bad_table = (case["k"], case["v"], case["positions"], cos[:, :4], sin, neox, case["slots"])
+    with pytest.raises(ValueError, match="cos_cache must be float32"):
+        ta.paged_attention(*args, 1, case["max_seq_len"], 0.25, out, rope=bad_table)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 7, 64])
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_gpu_fused_decode_rope_llama3_heads(batch, num_splits):
+    """32 query / 8 kv heads of 128, 16-token blocks, bf16, contexts around the 64-token tile."""
+    gen = torch.Generator().manual_seed(batch)
+    contexts = torch.randint(0, 1500, (batch,), generator=gen).tolist()
+    contexts[0] = 127  # the new token last in a tile
+    case = decode_case(contexts, 32, 8, 128, 16, torch.bfloat16, True, seed=batch)
+    out_ref, cache_ref = unfused(case, num_splits)
+    out, cache = fused(case, num_splits)
+    assert torch.equal(cache, cache_ref)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, out_ref, rtol=2e-2, atol=2e-3)
