@@ -140,3 +140,50 @@ def test_gpu_fused_decode_rope_llama3_heads(batch, num_splits):
     assert torch.equal(cache, cache_ref)
     assert not out.isnan().any()
     torch.testing.assert_close(out, out_ref, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA, reason="needs CUDA")
+def test_gpu_fused_decode_in_a_cuda_graph_reads_fresh_values():
+    """QKV GEMM (a PDL kernel) -> fused decode attention, captured once and replayed over three
+    decode steps with new hidden states and metadata copied in between, as the engine's decode
+    graphs are: the attention reads its metadata before the PDL wait and q / k / v after it, so
+    a stale read of either would show against the same steps run eagerly."""
+    from v1_engine.kernels.triton_gemv import skinny_gemm
+
+    hq, hkv, d, block = 32, 8, 128, 16
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn((hq + 2 * hkv) * d, 4096, generator=gen) * 0.02).to(DEVICE, torch.bfloat16)
+    case = decode_case([200, 37], hq, hkv, d, block, torch.bfloat16, True, seed=5)
+    cos, sin, neox = case["tables"]
+    x = torch.zeros(2, 4096, device=DEVICE, dtype=torch.bfloat16)
+    seq_lens, positions, slots = case["seq_lens"], case["positions"], case["slots"]
+    cache = case["kv_cache"].clone()
+    out = torch.empty(2, hq, d, device=DEVICE, dtype=torch.bfloat16)
+
+    def step(x, cache, out):
+        qkv = skinny_gemm(x, w)
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        rope = (k.view(2, hkv, d), v.view(2, hkv, d), positions, cos, sin, neox, slots)
+        ta.paged_attention(q.view(2, hq, d), cache, case["block_table"], seq_lens,
+                           case["query_start_loc"], 1, 256, d**-0.5, out, rope=rope)  # fmt: skip
+
+    step(x, cache, out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(x, cache, out)
+    eager_cache = case["kv_cache"].clone()
+    eager_out = torch.empty_like(out)
+    cache.copy_(case["kv_cache"])
+    for n in range(3):
+        x.copy_(torch.randn(2, 4096, generator=gen).to(DEVICE, torch.bfloat16))
+        graph.replay()
+        step(x, eager_cache, eager_out)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager_out), f"replay {n}"
+        assert torch.equal(cache, eager_cache), f"replay {n}"
+        # The next decode step: one more token per request, in the same blocks.
+        positions.add_(1)
+        seq_lens.add_(1)
+        slots.add_(1)

@@ -46,7 +46,10 @@ _TYPES = {
     torch.float8_e4m3fn: "*fp8e4nv",
 }
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
-_MEMORY_OP = re.compile(r"\b(ld\.global|st\.global|atom\.|red\.global|cp\.async\.)")
+_MEMORY_OP = re.compile(
+    r"\b(ld\.global|ld\.volatile\.global|st\.global|atom\.|red\.global|cp\.async\.)"
+)
+_LOAD = re.compile(r"\bld\.(volatile\.)?global")
 
 recorded: dict[str, tuple[triton.JITFunction, tuple, dict]] = {}
 
@@ -84,11 +87,15 @@ def _positions(ptx: str) -> dict:
         return next((i for i, line in enumerate(lines) if pattern in line), -1)
 
     memory = [i for i, line in enumerate(lines) if _MEMORY_OP.search(line)]
+    wait = first("griddepcontrol.wait")
+    before = [lines[i] for i in memory if i < wait]
     return {
         "launch_dependents": first("griddepcontrol.launch_dependents"),
-        "wait": first("griddepcontrol.wait"),
+        "wait": wait,
         "first_memory_op": memory[0] if memory else -1,
         "memory_ops": len(memory),
+        "loads_before_wait": sum(1 for line in before if _LOAD.search(line)),
+        "others_before_wait": sum(1 for line in before if not _LOAD.search(line)),
     }
 
 

@@ -138,7 +138,7 @@ def main() -> None:
         results[key] = _resources("_paged_attention_kernel")
     # The decode launch with the rotary embedding and the new K/V write fused in.
     query, cache = attention[0], attention[1]
-    reqs, heads, head = query.shape
+    reqs, _, head = query.shape
     kv_heads = cache.shape[3]
     kv = torch.zeros(reqs, kv_heads, head, dtype=torch.bfloat16)
     tables = torch.zeros(4096, head // 2, dtype=torch.float32)

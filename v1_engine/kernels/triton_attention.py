@@ -42,7 +42,12 @@ import triton.language as tl
 from v1_engine.kernels import interpreting
 from v1_engine.kernels.cache_ops import check_fp8_scales
 from v1_engine.kernels.pdl import launch_options, pdl_enter, pdl_release, pdl_wait
-from v1_engine.kernels.triton_rope import check_rope_decode_args, rope_dims, rope_tables, rotate_rows
+from v1_engine.kernels.triton_rope import (
+    check_rope_decode_args,
+    rope_dims,
+    rope_tables,
+    rotate_rows,
+)
 
 _LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -85,12 +90,23 @@ def _kv_offsets(
 
 
 @triton.jit
+def _first_offsets(table_row, tile_lo, tile_hi, kv_len, kv_head, stride_cb, stride_cs, stride_ch,
+                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+    """The cache offsets of the first step of the tile range [tile_lo, tile_hi) (an empty
+    range looks up a masked step, never used)."""
+    tile = tl.maximum(tl.minimum(tile_lo, tile_hi - 1), 0)
+    return _kv_offsets(table_row, tile, tl.arange(0, TILE), kv_len, kv_head, stride_cb, stride_cs,
+                       stride_ch, BLOCK_SIZE, TILE)  # fmt: skip
+
+
+@triton.jit
 def _attend_tiles(
     m_i,
     l_i,
     acc,
     q,
     q_pos,
+    next_off,
     tile_lo,
     tile_hi,
     kv_len,
@@ -114,15 +130,11 @@ def _attend_tiles(
     """Online softmax over key tiles [tile_lo, tile_hi); MASKED applies the causal and
     end-of-sequence masks (off for tiles every row sees whole)."""
     offs_t = tl.arange(0, TILE)
-    # A step's cache offsets are computed one step early (loop-carried; an empty range looks up
-    # a masked step, never used). In the compiled loop the next step's K/V copies still follow
-    # the block-table load of the same iteration; what this form gained over a lookup inside
-    # the step was registers (120 vs 145 a thread under Triton 3.6: 4 vs 3 programs an SM),
-    # which set the bytes in flight here (benchmarks/RESULTS.md; test_pipelining.py).
-    next_off = _kv_offsets(
-        table_row, tl.maximum(tl.minimum(tile_lo, tile_hi - 1), 0), offs_t, kv_len, kv_head,
-        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE,
-    )  # fmt: skip
+    # A step's cache offsets are computed one step early (loop-carried; `next_off` arrives as
+    # the first step's, `_first_offsets`). In the compiled loop the next step's K/V copies still
+    # follow the block-table load of the same iteration; what this form gained over a lookup
+    # inside the step was registers (120 vs 145 a thread under Triton 3.6: 4 vs 3 programs an
+    # SM), which set the bytes in flight here (benchmarks/RESULTS.md; test_pipelining.py).
     for tile in range(tile_lo, tile_hi):
         pos = tile * TILE + offs_t
         if MASKED:
@@ -213,7 +225,11 @@ def _paged_attention_kernel(
     IS_NEOX: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
+    # The paging metadata (query starts, sequence lengths, block table, and with ROPE the
+    # position and slot) is read before the PDL wait: the step writes it
+    # before its forward starts, and the QKV GEMM in front of every attention waits on its own
+    # predecessor before it lets this kernel launch, so it is complete by then. Everything a
+    # kernel of this step writes (the query, the new K/V, the cache) is read after the wait.
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -222,45 +238,8 @@ def _paged_attention_kernel(
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     local_block = q_block_id - (q_start // BLOCK_Q + req)
-    if local_block * BLOCK_Q >= q_len:
-        return
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - q_len
-
-    rows = tl.arange(0, BLOCK_M)
-    tok_local = local_block * BLOCK_Q + rows // GROUP_PAD
-    member = rows % GROUP_PAD
-    row_valid = (tok_local < q_len) & (member < GROUP)
-    token = (q_start + tok_local).to(tl.int64)
-    head = kv_head * GROUP + member
-    dims = tl.arange(0, HEAD_PAD)
-    dim_valid = dims < HEAD_SIZE
-    q_mask = row_valid[:, None] & dim_valid[None, :]
-    q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
-    if ROPE:
-        # Decode (one query token per request, host-checked): rotate the token's query heads
-        # and its key head here and write its K/V to the cache before the tiles are read.
-        src, partner, pair, first = rope_dims(dims, HEAD_SIZE // 2, IS_NEOX)
-        position = tl.load(positions_ptr + q_start).to(tl.int64)
-        cos, sin = rope_tables(cos_ptr, sin_ptr, position, pair, dim_valid,
-                               q_ptr.dtype.element_ty, HEAD_SIZE // 2, IS_NEOX)  # fmt: skip
-        q_src = tl.load(q_rows + src[None, :], mask=q_mask, other=0.0)
-        q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
-        q = rotate_rows(q_src, q_partner, cos[None, :], sin[None, :], first[None, :])
-        q = q.to(q_ptr.dtype.element_ty)
-        k_row = k_new_ptr + q_start.to(tl.int64) * stride_knt + kv_head * stride_knh
-        k_src = tl.load(k_row + src, mask=dim_valid, other=0.0)
-        k_partner = tl.load(k_row + partner, mask=dim_valid, other=0.0)
-        k_new = rotate_rows(k_src, k_partner, cos, sin, first).to(q_ptr.dtype.element_ty)
-        v_row = v_new_ptr + q_start.to(tl.int64) * stride_vnt + kv_head * stride_vnh
-        v_new = tl.load(v_row + dims, mask=dim_valid, other=0.0)
-    else:
-        q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
-    q_pos = context_len + tok_local  # absolute position of each row's token
-    if KV_FP8:
-        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
 
     # Keys visible to this q-block: positions up to its last token's (causal).
     last_local = tl.minimum(local_block * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -273,37 +252,86 @@ def _paged_attention_kernel(
     else:
         tile_lo = 0
         tile_hi = num_tiles
-
-    # The running max starts finite (-1e30), so a row with no visible key in a tile gets
-    # exp2(-inf - m) = 0 and exp2(m - m) = 1 instead of NaN.
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     # Tiles wholly at or before the block's first query position need no mask (every row sees
     # every key there, all valid); only the tiles on the causal diagonal and the sequence's end
     # pay for it.
     first_pos = context_len + local_block * BLOCK_Q
     full_hi = tl.maximum(tl.minimum((first_pos + 1) // TILE, tile_hi), tile_lo)
+    if not ROPE:
+        first_off = _first_offsets(table_row, tile_lo, full_hi, kv_len, kv_head, stride_cb,
+                                   stride_cs, stride_ch, BLOCK_SIZE, TILE)  # fmt: skip
+    dims = tl.arange(0, HEAD_PAD)
+    dim_valid = dims < HEAD_SIZE
+    if ROPE:  # scalars only: the cos/sin rows held across the wait cost 14 registers
+        position = tl.load(positions_ptr + q_start).to(tl.int64)
+        slot = tl.load(slot_ptr + q_start).to(tl.int64)
+        # The first block-table entries, loaded into L1 here and again after the wait: holding
+        # the tile's offsets across the rotation cost 15 registers (5 -> 4 programs an SM).
+        tl.load(table_row + (tile_lo * TILE) // BLOCK_SIZE, volatile=True)
+
+    pdl_wait(PDL)
+    if local_block * BLOCK_Q >= q_len:
+        return
+    rows = tl.arange(0, BLOCK_M)
+    tok_local = local_block * BLOCK_Q + rows // GROUP_PAD
+    member = rows % GROUP_PAD
+    row_valid = (tok_local < q_len) & (member < GROUP)
+    token = (q_start + tok_local).to(tl.int64)
+    head = kv_head * GROUP + member
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
     if ROPE:
+        # Decode (one query token per request, host-checked): rotate the token's query heads
+        # and its key head here and write its K/V to the cache before the tiles are read.
+        src, partner, pair, first = rope_dims(dims, HEAD_SIZE // 2, IS_NEOX)
+        cos, sin = rope_tables(cos_ptr, sin_ptr, position, pair, dim_valid,
+                               q_ptr.dtype.element_ty, HEAD_SIZE // 2, IS_NEOX)  # fmt: skip
+        q_src = tl.load(q_rows + src[None, :], mask=q_mask, other=0.0)
+        q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
+        q = rotate_rows(q_src, q_partner, cos[None, :], sin[None, :], first[None, :])
+        q = q.to(q_ptr.dtype.element_ty)
+        k_row = k_new_ptr + q_start.to(tl.int64) * stride_knt + kv_head * stride_knh
+        k_src = tl.load(k_row + src, mask=dim_valid, other=0.0)
+        k_partner = tl.load(k_row + partner, mask=dim_valid, other=0.0)
+        k_new = rotate_rows(k_src, k_partner, cos, sin, first).to(q_ptr.dtype.element_ty)
+        v_row = v_new_ptr + q_start.to(tl.int64) * stride_vnt + kv_head * stride_vnh
+        v_new = tl.load(v_row + dims, mask=dim_valid, other=0.0)
         # Only the split whose tiles hold the new position reads it, so it alone writes it;
         # the barrier makes the stores visible to the program's other threads (CTA scope).
         new_tile = (seq_len - 1) // TILE
-        slot = tl.load(slot_ptr + q_start).to(tl.int64)
         if (new_tile >= tile_lo) & (new_tile < tile_hi) & (slot >= 0):
             cache_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
             cache_off += kv_head * stride_ch + dims
             tl.store(k_cache_ptr + cache_off, k_new, mask=dim_valid)
             tl.store(v_cache_ptr + cache_off, v_new, mask=dim_valid)
         tl.debug_barrier()
+    else:
+        q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
+    if ROPE:
+        first_off = _first_offsets(table_row, tile_lo, full_hi, kv_len, kv_head, stride_cb,
+                                   stride_cs, stride_ch, BLOCK_SIZE, TILE)  # fmt: skip
+    if DOT_F32:
+        q = q.to(tl.float32)
+    q_pos = context_len + tok_local  # absolute position of each row's token
+    if KV_FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+
+    # The running max starts finite (-1e30), so a row with no visible key in a tile gets
+    # exp2(-inf - m) = 0 and exp2(m - m) = 1 instead of NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     m_i, l_i, acc = _attend_tiles(
-        m_i, l_i, acc, q, q_pos, tile_lo, full_hi, kv_len, table_row, k_cache_ptr, v_cache_ptr,
-        kv_head, dims, dim_valid, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE,
+        m_i, l_i, acc, q, q_pos, first_off, tile_lo, full_hi, kv_len, table_row, k_cache_ptr,
+        v_cache_ptr, kv_head, dims, dim_valid, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE,
         False, DOT_PRECISION, DOT_F32, KV_FP8,
     )  # fmt: skip
+    masked_off = _first_offsets(table_row, full_hi, tile_hi, kv_len, kv_head, stride_cb,
+                                stride_cs, stride_ch, BLOCK_SIZE, TILE)  # fmt: skip
     m_i, l_i, acc = _attend_tiles(
-        m_i, l_i, acc, q, q_pos, full_hi, tile_hi, kv_len, table_row, k_cache_ptr, v_cache_ptr,
-        kv_head, dims, dim_valid, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE,
+        m_i, l_i, acc, q, q_pos, masked_off, full_hi, tile_hi, kv_len, table_row, k_cache_ptr,
+        v_cache_ptr, kv_head, dims, dim_valid, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE,
         True, DOT_PRECISION, DOT_F32, KV_FP8,
     )  # fmt: skip
 
