@@ -375,6 +375,11 @@ def main() -> None:
         "after each unsplit one",
     )
     parser.add_argument(
+        "--write-table",
+        action="store_true",
+        help="bf16: rewrite kernels/skinny_tuned.py with the suggested table",
+    )
+    parser.add_argument(
         "--fp8",
         choices=("channel", "block"),
         default=None,
@@ -382,6 +387,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     kind = args.fp8 or "bf16"
+    if args.write_table and kind != "bf16":
+        raise SystemExit("--write-table rewrites the bf16 table only (kernels/skinny_tuned.py)")
     if not torch.cuda.is_available():
         raise SystemExit("sweep_skinny_gemm.py needs a CUDA GPU")
     names = [s for s in args.shapes.split(",") if s]
@@ -419,6 +426,22 @@ def main() -> None:
     for key in sorted(table, key=lambda key: (shape_order.index(key[1:]), key[0])):
         print(f"    {key}: {table[key]},")
     print("}")
+    if args.write_table:
+        write_table(table, shape_order)
+
+
+def write_table(table: dict, shape_order: list) -> None:
+    """Replace the TUNED_LAUNCH literal of kernels/skinny_tuned.py by `table` (the bf16 table;
+    run `ruff format` on the file afterwards), keeping the module's text around it."""
+    path = Path(triton_gemv.__file__).with_name("skinny_tuned.py")
+    text = path.read_text()
+    head = "TUNED_LAUNCH: dict[tuple[int, int, int], dict[str, int | str] | None] = {\n"
+    start = text.index(head) + len(head)
+    end = text.index("\n}\n", start) + 1
+    keys = sorted(table, key=lambda key: (shape_order.index(key[1:]), key[0]))
+    body = "".join(f"    {key}: {table[key]!r},\n" for key in keys)
+    path.write_text(text[:start] + body + text[end:])
+    print(f"wrote {len(keys)} entries to {path}")
 
 
 if __name__ == "__main__":
