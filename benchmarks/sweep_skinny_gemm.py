@@ -439,7 +439,15 @@ def write_table(table: dict, shape_order: list) -> None:
     start = text.index(head) + len(head)
     end = text.index("\n}\n", start) + 1
     keys = sorted(table, key=lambda key: (shape_order.index(key[1:]), key[0]))
-    body = "".join(f"    {key}: {table[key]!r},\n" for key in keys)
+
+    def entry(launch: dict | None) -> dict | None:  # split_k 1 is every launch's default
+        return (
+            launch
+            if launch is None
+            else {k: v for k, v in launch.items() if k != "split_k" or v != 1}
+        )
+
+    body = "".join(f"    {key}: {entry(table[key])!r},\n" for key in keys)
     path.write_text(text[:start] + body + text[end:])
     print(f"wrote {len(keys)} entries to {path}")
 

@@ -5,13 +5,7 @@ paste that here."""
 from __future__ import annotations
 
 TUNED_LAUNCH: dict[tuple[int, int, int], dict[str, int | str] | None] = {
-    (1, 6144, 4096): {
-        "mode": "dot_swap",
-        "block_n": 64,
-        "block_k": 256,
-        "num_warps": 4,
-        "num_stages": 4,
-    },
+    (1, 6144, 4096): {"mode": "fma", "block_n": 8, "block_k": 256, "num_warps": 4, "num_stages": 4},
     (2, 6144, 4096): {
         "mode": "dot_swap",
         "block_n": 64,
@@ -48,7 +42,7 @@ TUNED_LAUNCH: dict[tuple[int, int, int], dict[str, int | str] | None] = {
         "num_stages": 6,
     },
     (64, 6144, 4096): None,
-    (1, 4096, 4096): {"mode": "fma", "block_n": 4, "block_k": 512, "num_warps": 4, "num_stages": 3},
+    (1, 4096, 4096): {"mode": "fma", "block_n": 8, "block_k": 256, "num_warps": 4, "num_stages": 4},
     (2, 4096, 4096): {"mode": "fma", "block_n": 4, "block_k": 512, "num_warps": 4, "num_stages": 3},
     (4, 4096, 4096): {
         "mode": "dot_swap",
