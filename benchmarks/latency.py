@@ -154,7 +154,7 @@ def main() -> None:
         kv_bytes = batch * mean_context * shape.kv_bytes_per_token()
         roof_ms = (shape.decode_weight_bytes() + kv_bytes) / HBM_BYTES_PER_S * 1e3
         lines.append(
-            f"| {batch} | {ms:.2f} | {roof_ms:.2f} | {roof_ms / ms:.2f} | {batch / ms * 1e3:.0f} |"
+            f"| {batch} | {ms:.3f} | {roof_ms:.3f} | {roof_ms / ms:.3f} | {batch / ms * 1e3:.1f} |"
         )
         print(lines[-1], flush=True)
     lines += [
