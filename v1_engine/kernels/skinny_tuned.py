@@ -225,4 +225,6 @@ Measured on the H200 (2026-12-02, Llama-3-8B shapes, `sweep_skinny_gemm.py --sec
 entry for M <= 16 beat cuBLAS, by 1-20% (o_proj and down most: cuBLAS runs them split-K with two
 extra kernels); benchmarks/RESULTS.md "Skinny GEMM sweep". Buckets 32 and 64 (2026-12-03,
 `--m 32,64 --seconds 8`): cuBLAS's own tiles fit there, and the kernel won only o_proj at 32
-(1.11x), lm_head (1.01-1.03x) and down at 64 (1.00x); the other shapes stay on F.linear."""
+(1.11x), lm_head (1.01-1.03x) and down at 64 (1.00x); the other shapes stay on F.linear.
+M = 1 again with split-K launches (2026-12-04, `--m 1 --split-k 2,4,8 --shapes qkv,o_proj,down
+--seconds 30 --write-table`): no split won; qkv and o_proj took fma 8 x 256 (0.1 us better)."""
