@@ -11,9 +11,10 @@ behind the tail of the one before.
 The contract every kernel here follows:
 - wait before touching any memory (loads and stores), unconditionally, before any early return: a
   kernel completes only after its programs pass the wait, so "predecessor complete" stays
-  transitive along a chain of PDL kernels. One exception: paged attention loads the step's paging
-  metadata (written before the forward starts) before its wait; a GEMM in front of it has waited
-  on its own predecessor before letting it launch, so that metadata is complete by then;
+  transitive along a chain of PDL kernels. Two exceptions, loads of what no kernel of the step
+  writes: paged attention loads the step's paging metadata (written before the forward starts;
+  a GEMM in front of it has waited on its own predecessor before letting it launch, so it is
+  complete by then), and the one-pass norms load their weight (a parameter) before the wait;
 - where to signal: a short kernel (norms, SiLU-and-mul, RoPE, quant, cache writes) signals first
   (`pdl_enter`), a long one (GEMMs, attention) after its main loop (`pdl_wait` ... `pdl_release`).
   Signalling at the start of a long kernel let the next kernels, and theirs, pile up on the SMs

@@ -266,9 +266,14 @@ def _paged_attention_kernel(
     if ROPE:  # scalars only: the cos/sin rows held across the wait cost 14 registers
         position = tl.load(positions_ptr + q_start).to(tl.int64)
         slot = tl.load(slot_ptr + q_start).to(tl.int64)
-        # The first block-table entries, loaded into L1 here and again after the wait: holding
-        # the tile's offsets across the rotation cost 15 registers (5 -> 4 programs an SM).
+        # The first block-table entries and the position's cos / sin rows, fetched into L2
+        # here (volatile loads, values unused) and loaded again after the wait: holding the
+        # tile's offsets across the rotation cost 15 registers (5 -> 4 programs an SM).
         tl.load(table_row + (tile_lo * TILE) // BLOCK_SIZE, volatile=True)
+        half = tl.arange(0, HEAD_PAD // 2)
+        half_ok = half < HEAD_SIZE // 2
+        tl.load(cos_ptr + position * (HEAD_SIZE // 2) + half, mask=half_ok, volatile=True)
+        tl.load(sin_ptr + position * (HEAD_SIZE // 2) + half, mask=half_ok, volatile=True)
 
     pdl_wait(PDL)
     if local_block * BLOCK_Q >= q_len:

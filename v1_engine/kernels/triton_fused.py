@@ -25,6 +25,7 @@ from v1_engine.kernels.triton_fused_quant import (
     _normed,
     _residual_sum,
     _silu_and_mul,
+    norm_weight_early,
 )
 from v1_engine.kernels.triton_quant import MAX_BLOCK, _as_rows, _block_for, _num_warps
 
@@ -55,20 +56,22 @@ def _add_rms_norm_kernel(
     """One program per row: x + residual stored with its sum of squares, then the norm.
     ONE_PASS (the row fits one BLOCK): the sum stays in registers and the norm weight is loaded
     with x and residual, so its load (from HBM in a decode step, whose weights flush L2) overlaps
-    theirs instead of following the reduction; the same roundings either way."""
-    pdl_enter(PDL)
+    theirs instead of following the reduction (and it is loaded before the PDL wait:
+    `norm_weight_early`); the same roundings either way."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     residual_row = residual_ptr + row * residual_row_stride
     offsets = tl.arange(0, BLOCK)
     if ONE_PASS:
         mask = offsets < row_len
+        w = norm_weight_early(w_ptr, offsets, mask, PDL)
         y = _norm_row_one_pass(
-            x_row, residual_row, w_ptr, residual_out_ptr + row * row_len, offsets, mask,
+            x_row, residual_row, w, residual_out_ptr + row * row_len, offsets, mask,
             row_len_f, eps, True, IN_DTYPE, NORM_DTYPE, HW,
         )  # fmt: skip
         tl.store(out_ptr + row * row_len + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
         return
+    pdl_enter(PDL)
     squares = tl.zeros([BLOCK], dtype=tl.float32)
     for chunk in range(0, row_len, BLOCK):
         cols = chunk + offsets

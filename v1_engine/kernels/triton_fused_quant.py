@@ -96,10 +96,20 @@ def _normed(
 
 
 @triton.jit
+def norm_weight_early(w_ptr, offsets, mask, PDL: tl.constexpr):
+    """A one-pass norm's prologue: the norm weight's row (float32), loaded before the PDL wait
+    since no kernel of a step writes a parameter, then `pdl_enter`. Its HBM round trip overlaps
+    the previous kernel's tail instead of following the wait."""
+    w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    pdl_enter(PDL)
+    return w
+
+
+@triton.jit
 def _norm_row_one_pass(
     x_row,
     residual_row,
-    w_ptr,
+    w,
     residual_out_row,
     offsets,
     mask,
@@ -111,11 +121,10 @@ def _norm_row_one_pass(
     HW: tl.constexpr,
 ):
     """weight * rmsnorm(x (+ residual)) of a row that fits one block, in fp32 rounded as the
-    unfused ops round (storing x + residual on the way when HAS_RESIDUAL). The weight is loaded
-    with the row, not after the reduction: in a decode step it comes from HBM (the GEMM weights
-    flush L2), and behind the reduction that load was an extra round trip (benchmarks/RESULTS.md,
-    "add + RMSNorm in one pass": 1 us a norm)."""
-    w = tl.load(w_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    unfused ops round (storing x + residual on the way when HAS_RESIDUAL). `w` is the norm
+    weight's row in float32, loaded by the caller before its PDL wait (`norm_weight_early`): in a
+    decode step it comes from HBM (the GEMM weights flush L2); behind the reduction that load was
+    an extra round trip (benchmarks/RESULTS.md, "add + RMSNorm in one pass": 1 us a norm)."""
     s = _residual_sum(x_row, residual_row, offsets, mask, HAS_RESIDUAL, IN_DTYPE, HW)
     if HAS_RESIDUAL:
         tl.store(residual_out_row + offsets, s.to(residual_out_row.dtype.element_ty), mask=mask)
@@ -156,7 +165,6 @@ def _rms_norm_quant_kernel(
     of two; BLOCK for one group per row): the row is loaded and normed once and stays in
     registers. 0: the chunked body, which recomputes the normed values for the amax and again
     for the quantization."""
-    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
     residual_row = residual_ptr + row * residual_row_stride
@@ -164,8 +172,9 @@ def _rms_norm_quant_kernel(
 
     if ONE_PASS_GROUP > 0:
         mask = offsets < row_len
+        w = norm_weight_early(w_ptr, offsets, mask, PDL)
         y = _norm_row_one_pass(
-            x_row, residual_row, w_ptr, residual_out_ptr + row * row_len, offsets, mask,
+            x_row, residual_row, w, residual_out_ptr + row * row_len, offsets, mask,
             row_len_f, eps, HAS_RESIDUAL, IN_DTYPE, NORM_DTYPE, HW,
         )  # fmt: skip
         _store_groups(
@@ -182,6 +191,7 @@ def _rms_norm_quant_kernel(
             HW,
         )
     else:
+        pdl_enter(PDL)
         squares = tl.zeros([BLOCK], dtype=tl.float32)
         for chunk in range(0, row_len, BLOCK):
             cols = chunk + offsets
