@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from v1_engine.kernels.triton_attention import check_paged_metadata
+from v1_engine.kernels.attention_launch import check_paged_metadata
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

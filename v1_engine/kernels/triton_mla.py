@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels import interpreting
+from v1_engine.kernels.attention_launch import target_programs
 from v1_engine.kernels.mla_launch import (
     SUPPORTED_DTYPES,
     LaunchConfig,
@@ -61,7 +62,6 @@ from v1_engine.kernels.mla_launch import (
 )
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
-from v1_engine.kernels.triton_attention import target_programs
 
 __all__ = [
     "SUPPORTED_DTYPES",

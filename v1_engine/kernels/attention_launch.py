@@ -1,0 +1,138 @@
+"""Paged attention's host side (kernels/triton_attention.py): the launch decisions (split-KV
+factor, tile and warps per step shape), the argument checks, and the FLOP count benchmarks use.
+Plain python over ints and tensor metadata; nothing here launches or reads a device tensor."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_CACHE_DTYPE = torch.float8_e4m3fn
+
+
+@lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def target_programs(device: torch.device, per_sm: int = 2) -> int:
+    """Programs that keep the device busy: `per_sm` on each SM on a GPU (as many as fit one:
+    two for the decode kernels here and MLA's 16-head tiles), a token amount elsewhere."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return per_sm * _num_sms(index)
+    return 8
+
+
+def choose_num_splits(
+    num_programs: int, max_query_len: int, max_seq_len: int, tile: int, target_programs: int
+) -> int:
+    """How many pieces to cut each q-block's KV range into (a power of two, 1 = no split).
+
+    Splitting pays when the (q-block, kv head) programs cannot fill the device and each piece
+    still gets several tiles of keys; prefill-heavy steps already have enough programs.
+    """
+    if max_query_len > 16 or num_programs >= target_programs:
+        return 1
+    by_occupancy = -(-target_programs // max(num_programs, 1))
+    by_length = max_seq_len // (4 * tile)
+    splits = min(by_occupancy, by_length, 64)
+    if splits < 2:
+        return 1
+    return 1 << (splits.bit_length() - 1)
+
+
+def launch_config(
+    dtype: torch.dtype, head_pad: int, group_pad: int, max_query_len: int
+) -> tuple[int, int, int]:
+    """(BLOCK_M, TILE, num_warps) for this step's shape."""
+    wide = dtype != torch.float32 and head_pad <= 128
+    if max_query_len <= 16:  # decode-like: few query rows per program
+        block_m = max(16, group_pad * min(max_query_len, 4))
+        block_m = 1 << (block_m - 1).bit_length()
+        return block_m, 64 if wide else 32, 4
+    if wide:  # prefill 4k on the H200: 64 x 64 with 4 warps 313 TFLOP/s, 128 x 64 with 8: 293
+        return max(64, group_pad), 64, 4
+    return max(64, group_pad), 32, 4
+
+
+LAUNCH_KEYS = ("block_m", "tile", "num_warps", "num_stages", "maxnreg")
+"""Keys `paged_attention`'s `launch` may override."""
+
+
+def check_args(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    output: torch.Tensor,
+) -> None:
+    """Raises ValueError naming the argument whose shape, dtype or device does not fit."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_size], got {query.shape}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+        raise ValueError(
+            "kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, head_size] "
+            f"tensor, got {tuple(kv_cache.shape)}"
+        )
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    if kv_cache.shape[4] != head_size or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"query heads/size ({num_heads}, {head_size}) do not fit kv_cache's "
+            f"({num_kv_heads}, {kv_cache.shape[4]}): heads must be a multiple of kv heads"
+        )
+    if query.dtype not in SUPPORTED_DTYPES or kv_cache.dtype not in (query.dtype, FP8_CACHE_DTYPE):
+        raise ValueError(
+            f"query dtype must be one of {SUPPORTED_DTYPES} and kv_cache's the same or "
+            f"{FP8_CACHE_DTYPE}, got {query.dtype} and {kv_cache.dtype}"
+        )
+    if output.shape != query.shape or output.dtype != query.dtype or output.stride(2) != 1:
+        raise ValueError(
+            f"output must be {tuple(query.shape)} {query.dtype} with a unit last stride, got "
+            f"{tuple(output.shape)} {output.dtype}"
+        )
+    check_paged_metadata(block_table, seq_lens, query_start_loc, query.device, "query")
+    if kv_cache.device != query.device:
+        raise ValueError(f"kv_cache is on {kv_cache.device}, query on {query.device}")
+
+
+def check_paged_metadata(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    device: torch.device,
+    anchor: str,
+) -> None:
+    """Raises ValueError unless the step's paging metadata is int32 on `device` (where the
+    argument named `anchor` lives), with a block table of contiguous rows and num_reqs + 1 query
+    starts: what every paged kernel here reads."""
+    for name, tensor in (
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
+        if tensor.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {tensor.dtype}")
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, {anchor} on {device}")
+    if block_table.dim() != 2 or block_table.stride(1) != 1:
+        raise ValueError("block_table must be a 2-D tensor with contiguous rows")
+    if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(
+            f"query_start_loc must have num_reqs + 1 = {seq_lens.shape[0] + 1} entries, got "
+            f"{query_start_loc.shape[0]}"
+        )
+
+
+def attention_flops(query_lens: list[int], seq_lens: list[int], num_heads: int, head: int) -> int:
+    """Multiply-add FLOPs of causal attention (QK^T and PV) for the given request shapes."""
+    total = 0
+    for q_len, s_len in zip(query_lens, seq_lens):
+        context = s_len - q_len
+        visible = q_len * context + q_len * (q_len + 1) // 2
+        total += 4 * visible * num_heads * head
+    return total
