@@ -21,12 +21,17 @@ if not _CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 if not _CUDA:
-    for _name in ("v1_engine.kernels.triton_rope", "v1_engine.kernels.triton_attention"):
+    for _name in (
+        "v1_engine.kernels.triton_rope",
+        "v1_engine.kernels.triton_cache",
+        "v1_engine.kernels.triton_attention",
+    ):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 
 from v1_engine.kernels import triton_attention as ta
 from v1_engine.kernels import triton_rope
+from v1_engine.kernels.triton_cache import quantize_and_cache
 from v1_engine.layers.rotary import RotaryEmbedding, compute_inv_freq
 
 DEVICE = "cuda" if _CUDA else "cpu"
@@ -108,6 +113,39 @@ def test_fused_decode_rope_equals_rope_write_then_attend(neox, dtype, num_splits
     torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(_CUDA, reason="the gpu case covers this on a CUDA machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_fused_decode_rope_with_an_fp8_cache(dtype, num_splits):
+    """An e4m3 cache: the kernel quantizes the rotated key and the value as the FP8 cache write
+    does (kernels/triton_cache.py), so the cache and the outputs equal rotary -> FP8 write ->
+    attention bit for bit."""
+    case = decode_case([31, 63, 64, 100, 5], 6, 2, 24, 8, dtype, True, seed=13)
+    cache0 = (case["kv_cache"].float() * 8).to(torch.float8_e4m3fn)
+    k_scale = torch.tensor([0.05], device=DEVICE)
+    v_scale = torch.tensor([0.07], device=DEVICE)
+    cos, sin, neox = case["tables"]
+    meta = (case["block_table"], case["seq_lens"], case["query_start_loc"], 1,
+            case["max_seq_len"], case["scale"])  # fmt: skip
+
+    cache_ref = cache0.clone()
+    q_rot, k_rot = triton_rope.rotary_embedding(case["positions"], case["q"], case["k"], cos,
+                                                sin, neox)  # fmt: skip
+    quantize_and_cache(k_rot, case["v"], cache_ref, case["slots"], k_scale, v_scale)
+    out_ref = torch.full_like(q_rot, float("nan"))
+    ta.paged_attention(q_rot, cache_ref, *meta, out_ref, num_splits=num_splits, k_scale=k_scale,
+                       v_scale=v_scale)  # fmt: skip
+
+    cache = cache0.clone()
+    out = torch.full(case["q"].shape, float("nan"), dtype=dtype, device=DEVICE)
+    rope = (case["k"], case["v"], case["positions"], cos, sin, neox, case["slots"])
+    ta.paged_attention(case["q"], cache, *meta, out, num_splits=num_splits, k_scale=k_scale,
+                       v_scale=v_scale, rope=rope)  # fmt: skip
+    assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8))
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+
+
 def test_fused_decode_rope_rejects_prefill_and_bad_arguments():
     case = decode_case([3, 4], 4, 2, 16, 4, torch.float32, True, seed=1)
     cos, sin, neox = case["tables"]
@@ -139,6 +177,35 @@ def test_gpu_fused_decode_rope_llama3_heads(batch, num_splits):
     out, cache = fused(case, num_splits)
     assert torch.equal(cache, cache_ref)
     assert not out.isnan().any()
+    torch.testing.assert_close(out, out_ref, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_gpu_fused_decode_rope_fp8_cache(num_splits):
+    """Llama-3-8B heads over an e4m3 cache: the fused launch quantizes the new K/V exactly as the
+    FP8 cache write, and attends as rotary -> FP8 write -> attention does."""
+    case = decode_case([127, 700, 5, 1500], 32, 8, 128, 16, torch.bfloat16, True, seed=21)
+    cache0 = (case["kv_cache"].float() * 8).to(torch.float8_e4m3fn)
+    k_scale = torch.tensor([0.05], device=DEVICE)
+    v_scale = torch.tensor([0.07], device=DEVICE)
+    cos, sin, neox = case["tables"]
+    meta = (case["block_table"], case["seq_lens"], case["query_start_loc"], 1,
+            case["max_seq_len"], case["scale"])  # fmt: skip
+    cache_ref = cache0.clone()
+    q_rot, k_rot = triton_rope.rotary_embedding(case["positions"], case["q"], case["k"], cos,
+                                                sin, neox)  # fmt: skip
+    quantize_and_cache(k_rot, case["v"], cache_ref, case["slots"], k_scale, v_scale)
+    out_ref = torch.empty_like(q_rot)
+    ta.paged_attention(q_rot, cache_ref, *meta, out_ref, num_splits=num_splits, k_scale=k_scale,
+                       v_scale=v_scale)  # fmt: skip
+    cache = cache0.clone()
+    out = torch.full_like(q_rot, float("nan"))
+    rope = (case["k"], case["v"], case["positions"], cos, sin, neox, case["slots"])
+    ta.paged_attention(case["q"], cache, *meta, out, num_splits=num_splits, k_scale=k_scale,
+                       v_scale=v_scale, rope=rope)  # fmt: skip
+    assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8))
     torch.testing.assert_close(out, out_ref, rtol=2e-2, atol=2e-3)
 
 

@@ -69,20 +69,22 @@ class TritonAttentionBackend:
     ) -> bool:
         """`forward` for a query and key not yet rotated (rope = positions, cos and sin tables,
         neox style). A decode step (one query token per request) runs one kernel: paged
-        attention rotates the query and key itself, writes the new K/V and attends
-        (`paged_attention(rope=...)`). Other steps rotate and write the cache in one kernel
-        (kernels/triton_rope.py), then launch the attention. Returns False, having done
-        nothing, where neither applies (not CUDA, an fp8 cache): the caller then rotates and
-        calls `forward`."""
-        if not query.is_cuda or kv_cache.dtype != query.dtype:
+        attention rotates the query and key itself, writes the new K/V (quantized for an fp8
+        cache) and attends (`paged_attention(rope=...)`). Other steps rotate and write the cache
+        in one kernel (kernels/triton_rope.py), then launch the attention. Returns False, having
+        done nothing, where neither applies (not CUDA; an fp8 cache outside decode steps): the
+        caller then rotates and calls `forward`."""
+        if not query.is_cuda:
             return False
         positions, cos_cache, sin_cache, is_neox_style = rope
         n = metadata.num_actual_tokens
-        if metadata.max_query_len == 1:
+        if metadata.max_query_len == 1:  # a cache of the model dtype or e4m3
             fused = (key[:n], value[:n], positions[:n], cos_cache, sin_cache, is_neox_style,
                      metadata.slot_mapping[:n])  # fmt: skip
-            self._attend(query, kv_cache, metadata, scale, output, None, None, fused)
+            self._attend(query, kv_cache, metadata, scale, output, k_scale, v_scale, fused)
             return True
+        if kv_cache.dtype != query.dtype:
+            return False
         from v1_engine.kernels.triton_rope import rotary_embedding_and_cache
 
         query = rotary_embedding_and_cache(

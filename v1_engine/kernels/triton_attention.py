@@ -51,6 +51,7 @@ from v1_engine.kernels.attention_launch import (  # noqa: F401 - re-exported
 )
 from v1_engine.kernels.cache_ops import check_fp8_scales
 from v1_engine.kernels.pdl import launch_options, pdl_enter, pdl_release, pdl_wait
+from v1_engine.kernels.triton_cache import quantize_e4m3
 from v1_engine.kernels.triton_rope import (
     check_rope_decode_args,
     rope_dims,
@@ -315,8 +316,15 @@ def _paged_attention_kernel(
         if (new_tile >= tile_lo) & (new_tile < tile_hi) & (slot >= 0):
             cache_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
             cache_off += kv_head * stride_ch + dims
-            tl.store(k_cache_ptr + cache_off, k_new, mask=dim_valid)
-            tl.store(v_cache_ptr + cache_off, v_new, mask=dim_valid)
+            cache_ty = k_cache_ptr.dtype.element_ty
+            if KV_FP8:  # as the FP8 cache write stores the rotated (model-dtype) key
+                k_q = quantize_e4m3(k_new, tl.load(k_scale_ptr))
+                v_q = quantize_e4m3(v_new, tl.load(v_scale_ptr))
+                tl.store(k_cache_ptr + cache_off, k_q.to(cache_ty), mask=dim_valid)
+                tl.store(v_cache_ptr + cache_off, v_q.to(cache_ty), mask=dim_valid)
+            else:
+                tl.store(k_cache_ptr + cache_off, k_new, mask=dim_valid)
+                tl.store(v_cache_ptr + cache_off, v_new, mask=dim_valid)
         tl.debug_barrier()
     else:
         q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
@@ -438,10 +446,10 @@ def paged_attention(
     maxnreg: a cap on registers per thread, so more programs fit an SM; tuning).
 
     `rope` = (key, value, positions, cos_cache, sin_cache, is_neox_style, slot_mapping), decode
-    steps only (max_query_len 1) with a cache in the query's dtype: query and key arrive not yet
-    rotated (views of the QKV GEMM output), and this one launch rotates them as
-    kernels/triton_rope.py does, writes the new K/V at slot_mapping and attends, so the cache
-    need not hold the new tokens beforehand.
+    steps only (max_query_len 1): query and key arrive not yet rotated (views of the QKV GEMM
+    output), and this one launch rotates them as kernels/triton_rope.py does, writes the new K/V
+    at slot_mapping (quantized as kernels/triton_cache.py does for an e4m3 cache) and attends,
+    so the cache need not hold the new tokens beforehand.
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[3]

@@ -25,11 +25,17 @@ from v1_engine.kernels.triton_quant import _round_to_e4m3
 
 
 @triton.jit
-def _quantize_row(src_ptr, dst_ptr, scale, offs_src, offs_dst, mask):
-    x = tl.load(src_ptr + offs_src, mask=mask, other=0.0).to(tl.float32)
-    x = tl.div_rn(x, scale)
+def quantize_e4m3(x, scale):
+    """x / scale saturated to +-448 and rounded onto the e4m3 grid (see the module), in float32:
+    the value the e4m3 cast then stores exactly. Shared with the fused decode attention."""
+    x = tl.div_rn(x.to(tl.float32), scale)
     x = tl.minimum(tl.maximum(x, -448.0), 448.0)  # fp8.FP8_MAX: saturate, never NaN
-    x = _round_to_e4m3(x)
+    return _round_to_e4m3(x)
+
+
+@triton.jit
+def _quantize_row(src_ptr, dst_ptr, scale, offs_src, offs_dst, mask):
+    x = quantize_e4m3(tl.load(src_ptr + offs_src, mask=mask, other=0.0), scale)
     tl.store(dst_ptr + offs_dst, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 

@@ -365,12 +365,15 @@ def _check_cache_write(
     sin_cache: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    allow_fp8: bool = False,
 ) -> None:
     """Raises ValueError naming the argument of a rotation fused with the K/V cache write that
-    does not fit (the rotation's own inputs, then value, kv_cache and slot_mapping)."""
+    does not fit (the rotation's own inputs, then value, kv_cache and slot_mapping). The cache
+    holds the query's dtype, or e4m3 with `allow_fp8`."""
     _check_inputs(positions, query, key, cos_cache, sin_cache)
     num_tokens, _, head_size = query.shape
     num_k_heads = key.shape[1]
+    cache_dtypes = (query.dtype, torch.float8_e4m3fn) if allow_fp8 else (query.dtype,)
     if value.shape != key.shape or value.dtype != query.dtype or value.device != query.device:
         raise ValueError(
             f"value must be {tuple(key.shape)} {query.dtype} on {query.device}, got "
@@ -380,12 +383,13 @@ def _check_cache_write(
         kv_cache.dim() != 5
         or kv_cache.shape[0] != 2
         or tuple(kv_cache.shape[3:]) != (num_k_heads, head_size)
-        or kv_cache.dtype != query.dtype
+        or kv_cache.dtype not in cache_dtypes
         or not kv_cache.is_contiguous()
     ):
+        allowed = " or ".join(str(dtype) for dtype in cache_dtypes)
         raise ValueError(
             f"kv_cache must be a contiguous [2, num_blocks, block_size, {num_k_heads}, "
-            f"{head_size}] {query.dtype} tensor, got {tuple(kv_cache.shape)} {kv_cache.dtype}"
+            f"{head_size}] {allowed} tensor, got {tuple(kv_cache.shape)} {kv_cache.dtype}"
         )
     if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype != torch.int64:
         raise ValueError(
@@ -407,14 +411,17 @@ def check_rope_decode_args(
 ) -> None:
     """Raises ValueError unless paged attention may rotate the query and key itself and write
     the new K/V (kernels/triton_attention.py, `rope=`): a decode step (one query token per
-    request), arguments as `rotary_embedding_and_cache` takes them, key and value rows with a
+    request), arguments as `rotary_embedding_and_cache` takes them (the cache may also be e4m3:
+    the kernel quantizes the new K/V as kernels/triton_cache.py does), key and value rows with a
     unit last stride."""
     if max_query_len != 1:
         raise ValueError(
             f"the rotary embedding fuses into paged attention for decode steps only "
             f"(max_query_len 1), got max_query_len {max_query_len}"
         )
-    _check_cache_write(positions, query, key, value, cos_cache, sin_cache, kv_cache, slot_mapping)
+    _check_cache_write(
+        positions, query, key, value, cos_cache, sin_cache, kv_cache, slot_mapping, allow_fp8=True
+    )
     if key.stride(2) != 1 or value.stride(2) != 1:
         raise ValueError("key and value must have a unit last stride for the fused decode RoPE")
 
