@@ -97,6 +97,12 @@ def main() -> None:
         "--quantization", default=None, choices=("fp8",), help="fp8: online FP8 weights"
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8"),
+        help="fp8: an e4m3 K/V cache (the roofline columns still count a bf16 cache)",
+    )
+    parser.add_argument(
         "--fusion-passes",
         default=None,
         help="comma-separated fusion passes to apply instead of the default set (A/B of a pass)",
@@ -126,6 +132,7 @@ def main() -> None:
         compilation_config=compilation,
         gpu_memory_utilization=args.gpu_memory_utilization,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     timed_generate(llm, random_prompts(2, args.input_len, shape.vocab, 99), 4)  # warm-up
     mode = "eager -O0" if args.compilation_level == 0 else f"compiled -O{args.compilation_level}"
@@ -136,6 +143,7 @@ def main() -> None:
         (
             f"model {args.model} (dummy weights, bf16"
             f"{', FP8 weights (roofline columns: the bf16 model)' if args.quantization else ''}"
+            f"{', e4m3 K/V cache' if args.kv_cache_dtype == 'fp8' else ''}"
             f", {mode}){'; ' + note if note else ''}; "
             f"bf16 GEMM measured {gemm_tflops:.0f} TFLOP/s; HBM roofline {HBM_BYTES_PER_S / 1e12:.2f} "
             "TB/s"
