@@ -114,6 +114,23 @@ def test_fused_decode_rope_equals_rope_write_then_attend(neox, dtype, num_splits
 
 
 @pytest.mark.skipif(_CUDA, reason="the gpu case covers this on a CUDA machine")
+def test_fused_decode_rope_with_a_padding_request_and_empty_splits():
+    """A trailing request without a query token (its query start is num_tokens: the kernel
+    must read neither its position nor its slot) and 16 splits over contexts of 1-4 tiles
+    (empty splits whose ranges start past the block-table row)."""
+    case = decode_case([3, 100, 40], 4, 2, 16, 8, torch.float32, True, seed=17)
+    tokens = case["q"].shape[0]
+    case["seq_lens"] = torch.cat([case["seq_lens"], case["seq_lens"][:1]])
+    case["query_start_loc"] = torch.cat([case["query_start_loc"], case["query_start_loc"][-1:]])
+    case["block_table"] = torch.cat([case["block_table"], case["block_table"][:1]])
+    out_ref, cache_ref = unfused(case, 16)
+    out, cache = fused(case, 16)
+    assert out.shape[0] == tokens
+    assert torch.equal(cache, cache_ref)
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(_CUDA, reason="the gpu case covers this on a CUDA machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_fused_decode_rope_with_an_fp8_cache(dtype, num_splits):

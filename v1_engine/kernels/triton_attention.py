@@ -272,12 +272,17 @@ def _paged_attention_kernel(
     dims = tl.arange(0, HEAD_PAD)
     dim_valid = dims < HEAD_SIZE
     if ROPE:  # scalars only: the cos/sin rows held across the wait cost 14 registers
-        position = tl.load(positions_ptr + q_start).to(tl.int64)
-        slot = tl.load(slot_ptr + q_start).to(tl.int64)
+        # A request without a query token (padding) may start at num_tokens: read nothing.
+        has_token = q_len > 0
+        position = tl.load(positions_ptr + q_start, mask=has_token, other=0).to(tl.int64)
+        slot = tl.load(slot_ptr + q_start, mask=has_token, other=-1).to(tl.int64)
         # The first block-table entries and the position's cos / sin rows, fetched into L2
         # here (volatile loads, values unused) and loaded again after the wait: holding the
-        # tile's offsets across the rotation cost 15 registers (5 -> 4 programs an SM).
-        tl.load(table_row + (tile_lo * TILE) // BLOCK_SIZE, volatile=True)
+        # tile's offsets across the rotation cost 15 registers (5 -> 4 programs an SM). An
+        # empty split's range may start past the table row: its first tile is clamped, as
+        # `_first_offsets` clamps it, and nothing is read past kv_len.
+        warm_pos = tl.maximum(tl.minimum(tile_lo, tile_hi - 1), 0) * TILE
+        tl.load(table_row + warm_pos // BLOCK_SIZE, mask=warm_pos < kv_len, volatile=True)
         half = tl.arange(0, HEAD_PAD // 2)
         half_ok = half < HEAD_SIZE // 2
         tl.load(cos_ptr + position * (HEAD_SIZE // 2) + half, mask=half_ok, volatile=True)
