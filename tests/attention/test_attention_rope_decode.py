@@ -130,6 +130,30 @@ def test_fused_decode_rope_with_a_padding_request_and_empty_splits():
     torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
 
 
+def fp8_cache_pair(case, num_splits):
+    """(fused, reference) outputs and caches over an e4m3 copy of the case's cache: the fused
+    launch against rotary -> FP8 cache write -> attention."""
+    cache0 = (case["kv_cache"].float() * 8).to(torch.float8_e4m3fn)
+    scales = {"k_scale": torch.tensor([0.05], device=DEVICE),
+              "v_scale": torch.tensor([0.07], device=DEVICE)}  # fmt: skip
+    cos, sin, neox = case["tables"]
+    meta = (case["block_table"], case["seq_lens"], case["query_start_loc"], 1,
+            case["max_seq_len"], case["scale"])  # fmt: skip
+    cache_ref = cache0.clone()
+    q_rot, k_rot = triton_rope.rotary_embedding(case["positions"], case["q"], case["k"], cos,
+                                                sin, neox)  # fmt: skip
+    quantize_and_cache(k_rot, case["v"], cache_ref, case["slots"], *scales.values())
+    out_ref = torch.full_like(q_rot, float("nan"))
+    ta.paged_attention(q_rot, cache_ref, *meta, out_ref, num_splits=num_splits, **scales)
+    cache = cache0.clone()
+    out = torch.full_like(q_rot, float("nan"))
+    rope = (case["k"], case["v"], case["positions"], cos, sin, neox, case["slots"])
+    ta.paged_attention(case["q"], cache, *meta, out, num_splits=num_splits, rope=rope, **scales)
+    assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8))
+    assert not out.isnan().any()
+    return out, out_ref
+
+
 @pytest.mark.skipif(_CUDA, reason="the gpu case covers this on a CUDA machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -138,28 +162,7 @@ def test_fused_decode_rope_with_an_fp8_cache(dtype, num_splits):
     does (kernels/triton_cache.py), so the cache and the outputs equal rotary -> FP8 write ->
     attention bit for bit."""
     case = decode_case([31, 63, 64, 100, 5], 6, 2, 24, 8, dtype, True, seed=13)
-    cache0 = (case["kv_cache"].float() * 8).to(torch.float8_e4m3fn)
-    k_scale = torch.tensor([0.05], device=DEVICE)
-    v_scale = torch.tensor([0.07], device=DEVICE)
-    cos, sin, neox = case["tables"]
-    meta = (case["block_table"], case["seq_lens"], case["query_start_loc"], 1,
-            case["max_seq_len"], case["scale"])  # fmt: skip
-
-    cache_ref = cache0.clone()
-    q_rot, k_rot = triton_rope.rotary_embedding(case["positions"], case["q"], case["k"], cos,
-                                                sin, neox)  # fmt: skip
-    quantize_and_cache(k_rot, case["v"], cache_ref, case["slots"], k_scale, v_scale)
-    out_ref = torch.full_like(q_rot, float("nan"))
-    ta.paged_attention(q_rot, cache_ref, *meta, out_ref, num_splits=num_splits, k_scale=k_scale,
-                       v_scale=v_scale)  # fmt: skip
-
-    cache = cache0.clone()
-    out = torch.full(case["q"].shape, float("nan"), dtype=dtype, device=DEVICE)
-    rope = (case["k"], case["v"], case["positions"], cos, sin, neox, case["slots"])
-    ta.paged_attention(case["q"], cache, *meta, out, num_splits=num_splits, k_scale=k_scale,
-                       v_scale=v_scale, rope=rope)  # fmt: skip
-    assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8))
-    assert not out.isnan().any()
+    out, out_ref = fp8_cache_pair(case, num_splits)
     torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
 
 
@@ -204,25 +207,7 @@ def test_gpu_fused_decode_rope_fp8_cache(num_splits):
     """Llama-3-8B heads over an e4m3 cache: the fused launch quantizes the new K/V exactly as the
     FP8 cache write, and attends as rotary -> FP8 write -> attention does."""
     case = decode_case([127, 700, 5, 1500], 32, 8, 128, 16, torch.bfloat16, True, seed=21)
-    cache0 = (case["kv_cache"].float() * 8).to(torch.float8_e4m3fn)
-    k_scale = torch.tensor([0.05], device=DEVICE)
-    v_scale = torch.tensor([0.07], device=DEVICE)
-    cos, sin, neox = case["tables"]
-    meta = (case["block_table"], case["seq_lens"], case["query_start_loc"], 1,
-            case["max_seq_len"], case["scale"])  # fmt: skip
-    cache_ref = cache0.clone()
-    q_rot, k_rot = triton_rope.rotary_embedding(case["positions"], case["q"], case["k"], cos,
-                                                sin, neox)  # fmt: skip
-    quantize_and_cache(k_rot, case["v"], cache_ref, case["slots"], k_scale, v_scale)
-    out_ref = torch.empty_like(q_rot)
-    ta.paged_attention(q_rot, cache_ref, *meta, out_ref, num_splits=num_splits, k_scale=k_scale,
-                       v_scale=v_scale)  # fmt: skip
-    cache = cache0.clone()
-    out = torch.full_like(q_rot, float("nan"))
-    rope = (case["k"], case["v"], case["positions"], cos, sin, neox, case["slots"])
-    ta.paged_attention(case["q"], cache, *meta, out, num_splits=num_splits, k_scale=k_scale,
-                       v_scale=v_scale, rope=rope)  # fmt: skip
-    assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8))
+    out, out_ref = fp8_cache_pair(case, num_splits)
     torch.testing.assert_close(out, out_ref, rtol=2e-2, atol=2e-3)
 
 
