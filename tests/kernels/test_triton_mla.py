@@ -23,8 +23,10 @@ _CUDA = torch.cuda.is_available()
 if not _CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
-if not _CUDA and "v1_engine.kernels.triton_mla" in sys.modules:
-    importlib.reload(sys.modules["v1_engine.kernels.triton_mla"])
+if not _CUDA:  # the MLA kernel calls triton_attention's split_tile_range: both interpreted
+    for _name in ("v1_engine.kernels.triton_attention", "v1_engine.kernels.triton_mla"):
+        if _name in sys.modules:
+            importlib.reload(sys.modules[_name])
 
 from v1_engine.attention.backend import AttentionMetadata
 from v1_engine.attention.mla_cpu import CPUMLABackend

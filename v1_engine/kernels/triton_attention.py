@@ -78,6 +78,20 @@ def _find_request(query_start_loc_ptr, q_block_id, num_reqs, BLOCK_Q: tl.constex
 
 
 @triton.jit
+def split_tile_range(num_tiles, split, num_splits, USE_SPLITS: tl.constexpr):
+    """The key tiles [lo, hi) split `split` of `num_splits` owns (whole tiles, the last splits
+    possibly empty); all of them without splits. Shared with the MLA decode kernel."""
+    if USE_SPLITS:
+        per_split = tl.cdiv(num_tiles, num_splits)
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, num_tiles)
+    else:
+        lo = 0
+        hi = num_tiles
+    return lo, hi
+
+
+@triton.jit
 def _kv_offsets(
     table_row,
     tile,
@@ -252,14 +266,7 @@ def _paged_attention_kernel(
     # Keys visible to this q-block: positions up to its last token's (causal).
     last_local = tl.minimum(local_block * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_len = context_len + last_local + 1
-    num_tiles = tl.cdiv(kv_len, TILE)
-    if USE_SPLITS:
-        tiles_per_split = tl.cdiv(num_tiles, num_splits)
-        tile_lo = split * tiles_per_split
-        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    else:
-        tile_lo = 0
-        tile_hi = num_tiles
+    tile_lo, tile_hi = split_tile_range(tl.cdiv(kv_len, TILE), split, num_splits, USE_SPLITS)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     # Tiles wholly at or before the block's first query position need no mask (every row sees
     # every key there, all valid); only the tiles on the causal diagonal and the sequence's end

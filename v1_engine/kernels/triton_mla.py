@@ -62,6 +62,7 @@ from v1_engine.kernels.mla_launch import (
 )
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
+from v1_engine.kernels.triton_attention import split_tile_range
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -308,14 +309,7 @@ def _mla_decode_kernel(
         q_nope = q_nope.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
 
-    num_tiles = tl.cdiv(seq_len, TILE)
-    if USE_SPLITS:
-        tiles_per_split = tl.cdiv(num_tiles, num_splits)
-        tile_lo = split * tiles_per_split
-        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
-    else:
-        tile_lo = 0
-        tile_hi = num_tiles
+    tile_lo, tile_hi = split_tile_range(tl.cdiv(seq_len, TILE), split, num_splits, USE_SPLITS)
 
     # A finite initial max keeps exp2(m_i - m_new) finite for splits that see no key.
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
