@@ -229,6 +229,18 @@ def test_choose_num_splits():
     assert ta.choose_num_splits(512, 1, 32768, 64, 264) == 1
 
 
+def test_split_decode_tile():
+    # A decode step that cannot fill the device walks 32-row key tiles (more splits at short
+    # context: 321 positions give 2 pieces of 32-row tiles, 1 of 64-row ones).
+    assert ta.split_decode_tile(64, 1, 8, 264) == 32
+    assert ta.choose_num_splits(8, 1, 321, 32, 264) == 2
+    assert ta.choose_num_splits(8, 1, 321, 64, 264) == 1
+    # A full device (batch 64 x 8 kv heads), a prefill, or a tile already narrow: unchanged.
+    assert ta.split_decode_tile(64, 1, 512, 264) == 64
+    assert ta.split_decode_tile(64, 512, 8, 264) == 64
+    assert ta.split_decode_tile(16, 1, 8, 264) == 16
+
+
 def test_selector_env_override(monkeypatch):
     monkeypatch.setenv("V1ENGINE_ATTENTION_BACKEND", "cpu")
     assert isinstance(get_attn_backend(torch.device("cpu")), CPUAttentionBackend)

@@ -58,6 +58,21 @@ def launch_config(
     return max(64, group_pad), 32, 4
 
 
+SPLIT_DECODE_TILE = 32
+"""Key tile of a decode step too small to fill the device (the split-KV candidates). H200, Llama-3-8B
+heads, same-call A/B (RESULTS "Decode attention tile by occupancy"): batch 1 4.120 -> 4.099 ms a
+step with 32-row tiles; batch 64 at 1k context (no split) 6.953 -> 7.213 with them, so the wide
+tile stays where the programs fill the device."""
+
+
+def split_decode_tile(tile: int, max_query_len: int, programs: int, target_programs: int) -> int:
+    """The key tile for this step: SPLIT_DECODE_TILE for a decode-like step whose (q-block, kv
+    head) programs cannot fill the device, when `tile` is wider; `tile` otherwise."""
+    if max_query_len <= 16 and programs < target_programs:
+        return min(tile, SPLIT_DECODE_TILE)
+    return tile
+
+
 LAUNCH_KEYS = ("block_m", "tile", "num_warps", "num_stages", "maxnreg")
 """Keys `paged_attention`'s `launch` may override."""
 

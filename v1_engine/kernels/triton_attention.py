@@ -47,6 +47,7 @@ from v1_engine.kernels.attention_launch import (  # noqa: F401 - re-exported
     check_paged_metadata,
     choose_num_splits,
     launch_config,
+    split_decode_tile,
     target_programs,
 )
 from v1_engine.kernels.cache_ops import check_fp8_scales
@@ -507,9 +508,10 @@ def paged_attention(
     num_q_blocks = num_tokens // block_q + num_reqs
     if num_splits is None:
         useful_programs = min(num_q_blocks, num_reqs * -(-max_query_len // block_q)) * num_kv_heads
-        num_splits = choose_num_splits(
-            useful_programs, max_query_len, max_seq_len, tile, target_programs(query.device)
-        )
+        target = target_programs(query.device)
+        if not (launch and "tile" in launch):
+            tile = split_decode_tile(tile, max_query_len, useful_programs, target)
+        num_splits = choose_num_splits(useful_programs, max_query_len, max_seq_len, tile, target)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     use_splits = num_splits > 1
