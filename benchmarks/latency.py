@@ -15,6 +15,7 @@ GEMM rate torch.mm reaches in the same run.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -107,6 +108,14 @@ def main() -> None:
         default=None,
         help="comma-separated fusion passes to apply instead of the default set (A/B of a pass)",
     )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the engine's max_model_len; default: the model's own context (its config's "
+        "max_position_embeddings, as a server runs it), raised to what the run needs. Decode "
+        "CUDA graphs are captured for this length, so it sets their split-KV factor",
+    )
     parser.add_argument("--append", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
@@ -119,12 +128,19 @@ def main() -> None:
     shape = ModelShape.from_config(args.model)
     longest = max(prefill_lens + [args.input_len + args.decode_steps + 1]) + 128
     path, note = model_dir(args.model, min_positions=longest)
+    if args.max_model_len is None:
+        config = json.loads((Path(path) / "config.json").read_text())
+        max_model_len = max(longest, config["max_position_embeddings"])
+    elif args.max_model_len < longest:
+        raise SystemExit(f"--max-model-len must be at least {longest} for this run")
+    else:
+        max_model_len = args.max_model_len
     gemm_tflops = measure_gemm_tflops()
     llm = LLM(
         model=path,
         load_format="dummy",
         dtype="bfloat16",
-        max_model_len=longest,
+        max_model_len=max_model_len,
         # A batch's prompts prefill in one step, so its decode steps all run at full batch.
         max_num_batched_tokens=max(longest, 8192, max(batch_sizes) * args.input_len),
         max_num_seqs=max(batch_sizes),
@@ -144,7 +160,7 @@ def main() -> None:
             f"model {args.model} (dummy weights, bf16"
             f"{', FP8 weights (roofline columns: the bf16 model)' if args.quantization else ''}"
             f"{', e4m3 K/V cache' if args.kv_cache_dtype == 'fp8' else ''}"
-            f", {mode}){'; ' + note if note else ''}; "
+            f", {mode}, max_model_len {max_model_len}){'; ' + note if note else ''}; "
             f"bf16 GEMM measured {gemm_tflops:.0f} TFLOP/s; HBM roofline {HBM_BYTES_PER_S / 1e12:.2f} "
             "TB/s"
         ),
