@@ -1,0 +1,68 @@
+"""benchmarks/ab_variants.py: each variant runs on its own patches over the unpatched tree, and
+the tree comes back after every run, a failing or timed-out one too."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import ab_variants
+
+
+def _run(tmp_path: Path, variants: list, command: str, *extra: str) -> str:
+    spec = tmp_path / "variants.json"
+    spec.write_text(json.dumps(variants))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/ab_variants.py"), str(spec), command, *extra],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return out.stdout
+
+
+def test_variants_patch_run_and_restore(tmp_path):
+    (tmp_path / "knob.py").write_text("STAGES = 2\nTILE = 64\n")
+    variants = [
+        ["base", []],
+        ["stages 3", [["knob.py", "STAGES = 2", "STAGES = 3"]]],
+        ["both", [["knob.py", "STAGES = 2", "STAGES = 4"], ["knob.py", "TILE = 64", "TILE = 32"]]],
+    ]
+    command = f"{sys.executable} -c \"import knob; print(f'| {{knob.STAGES}} | {{knob.TILE}} |')\""
+    out = _run(tmp_path, variants, command)
+    blocks = out.split("== ")[1:]
+    assert [b.splitlines()[0].split(":")[0] for b in blocks] == ["base", "stages 3", "both"]
+    assert "| 2 | 64 |" in blocks[0] and "| 3 | 64 |" in blocks[1] and "| 4 | 32 |" in blocks[2]
+    assert (tmp_path / "knob.py").read_text() == "STAGES = 2\nTILE = 64\n"
+
+
+def test_failing_and_timed_out_runs_restore(tmp_path):
+    (tmp_path / "knob.py").write_text("X = 1\n")
+    variants = [["fails", [["knob.py", "X = 1", "X = 2"]]]]
+    out = _run(tmp_path, variants, "echo '| row |'; echo oops >&2; exit 3")
+    assert "fails: rc=3" in out and "| row |" in out and "oops" in out
+    assert (tmp_path / "knob.py").read_text() == "X = 1\n"
+    out = _run(tmp_path, variants, "sleep 5", "--timeout", "0.5")
+    assert "fails: timed out" in out
+    assert (tmp_path / "knob.py").read_text() == "X = 1\n"
+
+
+def test_missing_text_names_the_file_and_leaves_it(tmp_path):
+    knob = tmp_path / "knob.py"
+    knob.write_text("A = 1\nB = 2\n")
+    with pytest.raises(ValueError, match="knob.py: the text to replace is not there: 'C = 3'"):
+        ab_variants.apply_patches([(str(knob), "A = 1", "A = 5"), (str(knob), "C = 3", "C = 4")])
+    assert knob.read_text() == "A = 1\nB = 2\n"
+    spec = tmp_path / "bad.json"
+    spec.write_text(json.dumps([["x", [["knob.py", "A"]]]]))
+    with pytest.raises(ValueError, match="variant 'x': a patch must be"):
+        ab_variants.load_variants(str(spec))
