@@ -230,12 +230,15 @@ def test_choose_num_splits():
 
 
 def test_split_decode_tile():
-    # A decode step that cannot fill the device walks 32-row key tiles (more splits at short
-    # context: 321 positions give 2 pieces of 32-row tiles, 1 of 64-row ones).
+    # A decode step whose programs fill at most a quarter of the device walks 32-row key tiles
+    # (more splits at short context: 321 positions give 2 pieces of 32-row tiles, 1 of 64-row).
     assert ta.split_decode_tile(64, 1, 8, 264) == 32
     assert ta.choose_num_splits(8, 1, 321, 32, 264) == 2
     assert ta.choose_num_splits(8, 1, 321, 64, 264) == 1
-    # A full device (batch 64 x 8 kv heads), a prefill, or a tile already narrow: unchanged.
+    assert ta.split_decode_tile(64, 1, 64, 264) == 32  # batch 8 x 8 kv heads
+    # Programs past a quarter of the device (batch 16 x 8 kv heads), a full device (batch 64),
+    # a prefill, or a tile already narrow: unchanged.
+    assert ta.split_decode_tile(64, 1, 128, 264) == 64
     assert ta.split_decode_tile(64, 1, 512, 264) == 64
     assert ta.split_decode_tile(64, 512, 8, 264) == 64
     assert ta.split_decode_tile(16, 1, 8, 264) == 16

@@ -59,16 +59,19 @@ def launch_config(
 
 
 SPLIT_DECODE_TILE = 32
-"""Key tile of a decode step too small to fill the device (the split-KV candidates). H200, Llama-3-8B
-heads, same-call A/B (RESULTS "Decode attention tile by occupancy"): batch 1 4.120 -> 4.099 ms a
-step with 32-row tiles; batch 64 at 1k context (no split) 6.953 -> 7.213 with them, so the wide
-tile stays where the programs fill the device."""
+"""Key tile of a latency-bound decode step: one whose (q-block, kv head) programs fill at most a
+quarter of the device (batch <= 8 at 8 kv heads on the H200), so each split-KV piece is short
+and its critical path is what counts. H200, Llama-3-8B heads, same-call A/Bs (RESULTS "Decode
+attention tile by occupancy"): batch 1 4.120 -> 4.099 ms a step with 32-row tiles (4.095 -> 4.066
+with graphs captured for max_model_len 8192). Bandwidth-bound steps keep the wide tile: batch 64
+at 1k context went 6.953 -> 7.213 ms with 32-row tiles; batches 16-32 are not measured with
+them, so they stay on the wide tile too."""
 
 
 def split_decode_tile(tile: int, max_query_len: int, programs: int, target_programs: int) -> int:
-    """The key tile for this step: SPLIT_DECODE_TILE for a decode-like step whose (q-block, kv
-    head) programs cannot fill the device, when `tile` is wider; `tile` otherwise."""
-    if max_query_len <= 16 and programs < target_programs:
+    """The key tile for this step: SPLIT_DECODE_TILE for a decode-like step whose programs fill
+    at most a quarter of `target_programs`, when `tile` is wider; `tile` otherwise."""
+    if max_query_len <= 16 and 4 * programs <= target_programs:
         return min(tile, SPLIT_DECODE_TILE)
     return tile
 
