@@ -58,6 +58,20 @@ def model_dir(name: str, min_positions: int = 0) -> tuple[str, str]:
     return str(out), note
 
 
+def benchmark_max_model_len(path: str, needed: int, requested: int | None = None) -> int:
+    """The max_model_len a benchmark gives the engine: `requested` when set (SystemExit if below
+    `needed`), else the model's own context (the max_position_embeddings of the config in `path`,
+    what a server runs with), raised to `needed`. Decode CUDA graphs are captured for this
+    length and their split-KV factor follows it, so a just-enough length would time graphs no
+    deployment of the model runs."""
+    if requested is not None:
+        if requested < needed:
+            raise SystemExit(f"--max-model-len must be at least {needed} for this run")
+        return requested
+    config = json.loads((Path(path) / "config.json").read_text())
+    return max(needed, int(config["max_position_embeddings"]))
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """Parameter and KV sizes of a config, for rooflines (bf16 unless a dtype size is given)."""

@@ -15,7 +15,6 @@ GEMM rate torch.mm reaches in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from bench_utils import (
     HBM_BYTES_PER_S,
     ModelShape,
     append_results,
+    benchmark_max_model_len,
     measure_gemm_tflops,
     model_dir,
 )
@@ -128,13 +128,7 @@ def main() -> None:
     shape = ModelShape.from_config(args.model)
     longest = max(prefill_lens + [args.input_len + args.decode_steps + 1]) + 128
     path, note = model_dir(args.model, min_positions=longest)
-    if args.max_model_len is None:
-        config = json.loads((Path(path) / "config.json").read_text())
-        max_model_len = max(longest, config["max_position_embeddings"])
-    elif args.max_model_len < longest:
-        raise SystemExit(f"--max-model-len must be at least {longest} for this run")
-    else:
-        max_model_len = args.max_model_len
+    max_model_len = benchmark_max_model_len(path, longest, args.max_model_len)
     gemm_tflops = measure_gemm_tflops()
     llm = LLM(
         model=path,

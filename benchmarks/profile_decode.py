@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_utils import ModelShape, model_dir
+from bench_utils import ModelShape, benchmark_max_model_len, model_dir
 from latency import decode_ms_per_step, random_prompts, timed_generate
 
 from v1_engine import LLM
@@ -121,7 +121,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--compilation-level", type=int, default=2)
     parser.add_argument("--quantization", default=None, choices=("fp8",))
-    parser.add_argument("--max-model-len", type=int, default=None, help="default: just enough")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="default: the model's own context, raised to what the run needs (as latency.py)",
+    )
     parser.add_argument("--prefill-len", type=int, default=0, help="also profile this prefill")
     parser.add_argument("--out-dir", default="benchmarks/logs/profile")
     parser.add_argument(
@@ -134,8 +139,9 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     shape = ModelShape.from_config(args.model)
-    max_len = args.max_model_len or max(args.input_len + args.steps, args.prefill_len) + 64
-    path, _ = model_dir(args.model, min_positions=max_len)
+    needed = max(args.input_len + args.steps, args.prefill_len) + 64
+    path, _ = model_dir(args.model, min_positions=needed)
+    max_len = benchmark_max_model_len(path, needed, args.max_model_len)
     llm = LLM(
         model=path,
         load_format="dummy",

@@ -1,5 +1,6 @@
-"""benchmarks/ab_variants.py: each variant runs on its own patches over the unpatched tree, and
-the tree comes back after every run, a failing or timed-out one too."""
+"""CPU-checkable pieces of the benchmark tools: benchmarks/ab_variants.py (each variant runs on
+its own patches over the unpatched tree, and the tree comes back after every run, a failing or
+timed-out one too) and the max_model_len the benchmarks give the engine."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import ab_variants
+from bench_utils import benchmark_max_model_len
 
 
 def _run(tmp_path: Path, variants: list, command: str, *extra: str) -> str:
@@ -66,3 +68,14 @@ def test_missing_text_names_the_file_and_leaves_it(tmp_path):
     spec.write_text(json.dumps([["x", [["knob.py", "A"]]]]))
     with pytest.raises(ValueError, match="variant 'x': a patch must be"):
         ab_variants.load_variants(str(spec))
+
+
+def test_benchmark_max_model_len(tmp_path):
+    # The model's own context by default (as a server runs it), raised to what the run needs;
+    # an explicit length wins unless it is too short for the run.
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    assert benchmark_max_model_len(str(tmp_path), 321) == 8192
+    assert benchmark_max_model_len(str(tmp_path), 16512) == 16512
+    assert benchmark_max_model_len(str(tmp_path), 321, 1000) == 1000
+    with pytest.raises(SystemExit, match="at least 500"):
+        benchmark_max_model_len(str(tmp_path), 500, 100)
