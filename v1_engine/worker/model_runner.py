@@ -68,6 +68,9 @@ class StepInputs:
     metadata: AttentionMetadata
     logits_idx: torch.Tensor
     """Row of each sampling request's last token in the step's hidden states."""
+    logits_prefix: int | None
+    """n when logits_idx is 0..n-1 (a decode step where every request samples): the sampled
+    rows are then hidden[:n], a view, and no gather kernel runs. None otherwise."""
     feed_dst: torch.Tensor | None
     """Where the previous step's sampled tokens go in input_ids; None when none do."""
     feed_src: torch.Tensor
@@ -392,6 +395,8 @@ class ModelRunner:
         # A request samples only when this step reaches the end of its tokens.
         sample_idx = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
         feed_dst, feed_src = self._pending_feed_indices(req_ids, computed, cu)
+        logits_idx = cu[1:][sample_idx] - 1
+        identity = np.arange(len(logits_idx))
 
         # Every index the step needs on the device rides in this one pinned, non-blocking
         # staging: a pageable or blocking copy here would wait for the previous step's kernels
@@ -403,7 +408,7 @@ class ModelRunner:
             query_start_loc=cu.astype(np.int32),
             seq_lens=seq_lens.astype(np.int32),
             block_table=block_table,
-            logits_idx=cu[1:][sample_idx] - 1,
+            logits_idx=logits_idx,
             feed_dst=feed_dst,
             feed_src=feed_src,
         )
@@ -427,6 +432,7 @@ class ModelRunner:
             positions=staged["positions"],
             metadata=metadata,
             logits_idx=staged["logits_idx"],
+            logits_prefix=len(logits_idx) if np.array_equal(logits_idx, identity) else None,
             feed_dst=staged["feed_dst"] if len(feed_dst) else None,
             feed_src=staged["feed_src"],
         )
@@ -463,7 +469,11 @@ class ModelRunner:
         if not len(sample_idx):
             return StepOutput(req_ids=req_ids, sampled=None, prompt_logprobs=prompt_logprobs)
         sample_req_ids = [req_ids[i] for i in sample_idx]
-        logits = self.model.compute_logits(hidden[inputs.logits_idx])
+        if inputs.logits_prefix is not None:
+            sampled_hidden = hidden[: inputs.logits_prefix]
+        else:
+            sampled_hidden = hidden[inputs.logits_idx]
+        logits = self.model.compute_logits(sampled_hidden)
         out = self.sampler(logits, self._sampling_metadata(sample_req_ids))
         pending = PendingTokens(
             req_ids=sample_req_ids,
