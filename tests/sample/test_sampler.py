@@ -140,33 +140,15 @@ def test_unseeded_rows_differ_between_draws(build_metadata: BuildMetadata) -> No
     assert len(set(first)) > 4
 
 
-def test_argmax_chunks_divide_the_vocabulary():
-    from v1_engine.sample.sampler import argmax_chunks
-
-    assert argmax_chunks(128256) == 256  # 256 x 501
-    assert argmax_chunks(151936) == 128  # 128 x 1187
-    assert argmax_chunks(32000) == 64  # 64 x 500 (128 x 250 would be too narrow)
-    assert argmax_chunks(49152) == 128
-    assert argmax_chunks(50257) == 1  # odd: no chunking
-    assert argmax_chunks(2048) == 1  # 16 chunks of 128 < 256: not worth it
-
-
-def test_row_argmax_equals_argmax_with_ties_and_nan():
-    """The chunked path (forced here on the CPU) returns torch.argmax's index: the first of
-    equal maxima across chunk boundaries, the first NaN when a row has one."""
+def test_row_argmax_on_cpu_is_torch_argmax():
     from v1_engine.sample.sampler import row_argmax
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 4096, generator=gen)
-    x[1, [100, 3000, 4000]] = 50.0  # ties in different chunks: the first wins
-    x[2, [700, 701]] = 60.0  # ties inside one chunk
+    x[1, [100, 3000, 4000]] = 50.0  # ties: the first wins
     x[3, [2500, 90]] = float("nan")  # NaN is the max; the first NaN wins
     x[4] = 0.0  # all equal: index 0
-    for chunks in (16, 64, 256):
-        got = row_argmax(x, chunks=chunks)
-        assert torch.equal(got, x.argmax(dim=-1)), (chunks, got)
-    assert got.tolist()[1:] == [100, 700, 90, 0]
-    assert torch.equal(row_argmax(x), x.argmax(dim=-1))  # CPU: plain argmax
+    assert row_argmax(x).tolist()[1:] == [100, x[2].argmax().item(), 90, 0]
 
 
 @pytest.mark.gpu
@@ -179,3 +161,8 @@ def test_row_argmax_on_cuda_few_rows():
     x[0, [5, 128000]] = 99.0
     x[2, 77777] = float("nan")
     assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    # The Triton path (kernels/triton_argmax.py) on bf16 logits and on 31 rows; 32 rows and
+    # more take torch.argmax.
+    assert torch.equal(row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+    many = torch.randn(31, 128256, device="cuda")
+    assert torch.equal(row_argmax(many), many.argmax(dim=-1))

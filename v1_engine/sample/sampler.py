@@ -26,35 +26,21 @@ _MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
 
 _FEW_ROWS = 32
 """Below this many rows a CUDA argmax reduces each row in a single thread block (27 us for a
-128k vocabulary at batch 1 on the H200, measured in a decode-step profile): row_argmax cuts each
-row into chunks first."""
+128k vocabulary at batch 1 on the H200, measured in a decode-step profile): row_argmax spreads
+each row over many programs in one launch instead (kernels/triton_argmax.py)."""
+_TRITON_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def argmax_chunks(vocab: int) -> int:
-    """Chunks a row of `vocab` values is cut into for row_argmax: the largest power of two in
-    [16, 256] that divides it into chunks of >= 256 values, else 1 (no chunking)."""
-    chunks = 256
-    while chunks >= 16:
-        if vocab % chunks == 0 and vocab // chunks >= 256:
-            return chunks
-        chunks //= 2
-    return 1
-
-
-def row_argmax(x: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim of [N, V] (the first index among equal maxima, NaN counting as
-    the largest, as torch.argmax). On CUDA with few rows, each row is cut into `chunks` pieces
-    (argmax_chunks(V) by default): a max per piece spreads over the device, then the winning
-    piece's index is taken; same result, a fraction of the time."""
-    rows, vocab = x.shape
-    if chunks is None:
-        chunks = argmax_chunks(vocab) if x.is_cuda and rows < _FEW_ROWS else 1
-    if chunks <= 1:
-        return x.argmax(dim=-1)
-    width = vocab // chunks
-    values, index = x.view(rows, chunks, width).max(dim=-1)
-    best = values.argmax(dim=-1, keepdim=True)
-    return (best * width + index.gather(-1, best)).squeeze(-1)
+    the largest, as torch.argmax). On CUDA with few rows of a float dtype: one Triton launch
+    over (row, chunk) programs, same result; torch.argmax otherwise."""
+    rows = x.shape[0]
+    if x.is_cuda and rows < _FEW_ROWS and x.dtype in _TRITON_ARGMAX_DTYPES and x.stride(-1) == 1:
+        from v1_engine.kernels import triton_argmax
+
+        return triton_argmax.row_argmax(x)
+    return x.argmax(dim=-1)
 
 
 @dataclass
