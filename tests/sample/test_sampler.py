@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -166,3 +167,31 @@ def test_row_argmax_on_cuda_few_rows():
     assert torch.equal(row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
     many = torch.randn(31, 128256, device="cuda")
     assert torch.equal(row_argmax(many), many.argmax(dim=-1))
+
+
+def test_model_dtype_logits_sample_as_their_float32_copy(build_metadata: BuildMetadata) -> None:
+    """compute_logits returns the model's dtype: the sampler upcasts wherever it computes, so
+    bf16 logits give the tokens and logprobs of their float32 copy, and stay untouched."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(4, VOCAB, generator=gen) * 3).bfloat16()
+    original = logits.clone()
+    rows = [
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.0, repetition_penalty=1.7, presence_penalty=0.5),
+        SamplingParams(temperature=0.8, top_k=10, seed=7, logprobs=2),
+        SamplingParams(temperature=1.2, top_p=0.9, min_p=0.05, seed=8),
+    ]
+    results = []
+    for x in (logits, logits.float()):
+        generators = [
+            None if p.seed is None else torch.Generator().manual_seed(p.seed) for p in rows
+        ]
+        metadata = build_metadata(rows, VOCAB, prompts=[[1, 2, 3]] * 4, generators=generators)
+        out = Sampler()(x, metadata)
+        results.append((out.sampled_token_ids, out.logprobs))
+    (tokens16, logprobs16), (tokens32, logprobs32) = results
+    assert torch.equal(tokens16, tokens32)
+    assert logprobs16 is not None and logprobs32 is not None
+    for a, b in zip(dataclasses.astuple(logprobs16), dataclasses.astuple(logprobs32), strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(logits, original) and logits.dtype == torch.bfloat16

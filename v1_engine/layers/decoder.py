@@ -54,5 +54,7 @@ class CausalLMBase(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden states [N, H] → float32 logits [N, vocab]."""
-        return self.lm_head(hidden_states).float()
+        """hidden states [N, H] → logits [N, vocab] in the model's dtype. Their consumers upcast
+        where they compute (the sampler's penalties, temperature and logprobs, prompt logprobs);
+        greedy decoding's argmax needs no float32 copy of a 128k-wide row."""
+        return self.lm_head(hidden_states)

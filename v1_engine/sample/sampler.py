@@ -55,7 +55,9 @@ class Sampler:
     """Stateless; the per-request random state lives in the metadata's generators."""
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row of float32 [N, V] logits; `logits` is not modified."""
+        """Sample one token per row of [N, V] logits (float32, or the model's 16-bit dtype: every
+        computation but the argmax of unconstrained greedy rows runs in float32, and that argmax
+        is the same on either); `logits` is not modified."""
         assert logits.dim() == 2 and logits.shape[0] == metadata.num_rows
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
@@ -70,10 +72,10 @@ class Sampler:
 
     @staticmethod
     def _apply_constraints(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """min_tokens and penalties, on a copy so the caller's logits stay raw."""
+        """min_tokens and penalties, on a float32 copy so the caller's logits stay raw."""
         if not metadata.min_tokens_suppressed and metadata.no_penalties:
             return logits
-        logits = logits.clone()
+        logits = logits.to(torch.float32, copy=True)
         apply_min_tokens(logits, metadata.min_tokens_suppressed)
         return apply_penalties(logits, metadata)
 
@@ -93,7 +95,7 @@ class Sampler:
         if not metadata.all_random:
             # Greedy rows' draws are discarded; 1.0 only avoids dividing by zero.
             temperature = torch.where(temperature == 0.0, 1.0, temperature)
-        logits = logits / temperature.unsqueeze(1)
+        logits = logits.float() / temperature.unsqueeze(1)
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.max_top_k, metadata.top_p)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
