@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
 import pdl_ptx_probe as probe
 import torch
-from pipeline_probe import compile_recorded, register_usage
+from pipeline_probe import compile_recorded, semaphore_usage
 
 from v1_engine.kernels import triton_argmax
 
@@ -28,17 +27,7 @@ def main() -> None:
         triton_argmax.row_argmax(torch.zeros(2, 128256, dtype=dtype))
         compiled, _, _ = compile_recorded("_row_argmax_kernel")
         probe.recorded.clear()
-        ptx = compiled.asm["ptx"]
-        atomic = ptx.find("atom.global")
-        registers, stack = register_usage(compiled)
-        results[str(dtype).removeprefix("torch.")] = {
-            "registers": registers,
-            "stack": stack,
-            "acq_rel_adds": len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
-            "exchanges": len(re.findall(r"atom\.global\.\S*exch", ptx)),
-            "barrier_before_atomic": atomic > 0 and "bar.sync" in ptx[:atomic],
-            "partials_read_past_l1": ptx.count("ld.global.cg"),
-        }
+        results[str(dtype).removeprefix("torch.")] = semaphore_usage(compiled)
     json.dump(results, sys.stdout)
 
 

@@ -80,6 +80,23 @@ def register_usage(compiled) -> tuple[int, int]:
     )
 
 
+def semaphore_usage(compiled) -> dict:
+    """Registers, spills and how a kernel that finishes its work in the program arriving last
+    synchronizes, read from its PTX: acq_rel adds and exchanges on the semaphore, whether a CTA
+    barrier comes before the first atomic, and the loads that read past L1 (.cg)."""
+    ptx = compiled.asm["ptx"]
+    atomic = ptx.find("atom.global")
+    registers, stack = register_usage(compiled)
+    return {
+        "registers": registers,
+        "stack": stack,
+        "acq_rel_adds": len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
+        "exchanges": len(re.findall(r"atom\.global\.\S*exch", ptx)),
+        "barrier_before_atomic": atomic > 0 and "bar.sync" in ptx[:atomic],
+        "reads_past_l1": ptx.count("ld.global.cg"),
+    }
+
+
 def _resources(name: str) -> dict:
     """Registers a thread, shared memory and warps of the recorded launch of `name`."""
     compiled, options, _ = compile_recorded(name)

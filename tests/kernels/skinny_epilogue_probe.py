@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
 import pdl_ptx_probe as probe
 import torch
-from pipeline_probe import compile_recorded, register_usage
+from pipeline_probe import compile_recorded, semaphore_usage
 
 from v1_engine.kernels import skinny_epilogues, triton_gemv
 
@@ -35,19 +34,11 @@ NORM = {  # name: (M, mode, block_n, block_k, split_k); Llama-3-8B down_proj [40
 def describe() -> dict:
     compiled, _, constexprs = compile_recorded("_skinny_gemm_kernel")
     probe.recorded.clear()
-    ptx = compiled.asm["ptx"]
-    atomic = ptx.find("atom.global")
-    registers, stack = register_usage(compiled)
     return {
         "gated": constexprs["GATED"],
         "add_norm": constexprs["ADD_NORM"],
         "split": constexprs["SPLIT_K"],
-        "registers": registers,
-        "stack": stack,
-        "acq_rel_adds": len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
-        "exchanges": len(re.findall(r"atom\.global\.\S*exch", ptx)),
-        "barrier_before_atomic": atomic > 0 and "bar.sync" in ptx[:atomic],
-        "reads_past_l1": ptx.count("ld.global.cg"),
+        **semaphore_usage(compiled),
     }
 
 

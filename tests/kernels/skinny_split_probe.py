@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
 import pdl_ptx_probe as probe
 import torch
-from pipeline_probe import compile_recorded, register_usage
+from pipeline_probe import compile_recorded, semaphore_usage
 
 from v1_engine.kernels import triton_gemv
 from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
@@ -38,18 +37,7 @@ def describe(kernel_name: str) -> dict:
     """Registers, spills and the slices' synchronization of the recorded launch."""
     compiled, _, constexprs = compile_recorded(kernel_name)
     probe.recorded.clear()
-    ptx = compiled.asm["ptx"]
-    atomic = ptx.find("atom.global")
-    registers, stack = register_usage(compiled)
-    return {
-        "split": constexprs["SPLIT_K"],
-        "registers": registers,
-        "stack": stack,
-        "acq_rel_adds": len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
-        "exchanges": len(re.findall(r"atom\.global\.\S*exch", ptx)),
-        "barrier_before_atomic": atomic > 0 and "bar.sync" in ptx[:atomic],
-        "partials_read_past_l1": ptx.count("ld.global.cg"),
-    }
+    return {"split": constexprs["SPLIT_K"], **semaphore_usage(compiled)}
 
 
 def main() -> None:

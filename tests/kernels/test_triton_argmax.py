@@ -81,5 +81,5 @@ def test_sm90_build_orders_chunks_before_the_semaphore(run_compile_probe):
     last program reads the chunks' bests past L1 and resets the semaphore, no spills."""
     for dtype, usage in run_compile_probe("argmax_probe.py").items():
         assert usage["acq_rel_adds"] == 1 and usage["exchanges"] == 1, (dtype, usage)
-        assert usage["barrier_before_atomic"] and usage["partials_read_past_l1"] == 2, usage
+        assert usage["barrier_before_atomic"] and usage["reads_past_l1"] == 2, usage
         assert usage["stack"] == 0 and usage["registers"] <= 64, (dtype, usage)

@@ -158,7 +158,7 @@ def test_split_k_compiles_for_sm90(run_compile_probe):
         assert info["stack"] == 0, (name, info)
         assert (info["acq_rel_adds"], info["exchanges"]) == ((1, 1) if split else (0, 0)), name
         assert info["barrier_before_atomic"] == split, name
-        assert (info["partials_read_past_l1"] > 0) == split, name
+        assert (info["reads_past_l1"] > 0) == split, name
 
 
 @interpreter_only
