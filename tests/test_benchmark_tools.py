@@ -65,7 +65,7 @@ def test_missing_text_names_the_file_and_leaves_it(tmp_path):
         ab_variants.apply_patches([(str(knob), "A = 1", "A = 5"), (str(knob), "C = 3", "C = 4")])
     assert knob.read_text() == "A = 1\nB = 2\n"
     spec = tmp_path / "bad.json"
-    spec.write_text(json.dumps([["x", [["knob.py", "A"]]]]))
+    spec.write_text(json.dumps([["x", [["knob.py"]]]]))
     with pytest.raises(ValueError, match="variant 'x': a patch must be"):
         ab_variants.load_variants(str(spec))
 
@@ -79,3 +79,40 @@ def test_benchmark_max_model_len(tmp_path):
     assert benchmark_max_model_len(str(tmp_path), 321, 1000) == 1000
     with pytest.raises(SystemExit, match="at least 500"):
         benchmark_max_model_len(str(tmp_path), 500, 100)
+
+
+def test_whole_file_patches_create_and_restore(tmp_path):
+    (tmp_path / "knob.py").write_text("X = 1\n")
+    variants = [
+        ["files", [["knob.py", "X = 7\n"], ["extra.py", "Y = 2\n"]]],
+        ["base", []],
+    ]
+    (tmp_path / "show.py").write_text(
+        "import os, knob\nprint(f'| {knob.X} | {os.path.exists(\"extra.py\")} |')\n"
+    )
+    command = f"{sys.executable} show.py"
+    out = _run(tmp_path, variants, command)
+    assert "| 7 | True |" in out.split("== base")[0] and "| 1 | False |" in out.split("== base")[1]
+    assert (tmp_path / "knob.py").read_text() == "X = 1\n" and not (tmp_path / "extra.py").exists()
+
+
+def test_make_variants_takes_files_from_a_commit(tmp_path):
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "knob.py").write_text("X = 1\n")
+    git("add", "knob.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    (tmp_path / "knob.py").write_text("X = 2\n")
+    (tmp_path / "new.py").write_text("N = 1\n")  # not in the commit: left as it is
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/ab_variants.py"), "--make", "ab.json"]
+        + ["--rev", "HEAD", "knob.py", "new.py"],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+    )
+    variants = json.loads((tmp_path / "ab.json").read_text())
+    assert [name for name, _ in variants] == ["base", "HEAD", "base", "HEAD"]
+    assert variants[1][1] == [["knob.py", "X = 1\n"]] and variants[0][1] == []
