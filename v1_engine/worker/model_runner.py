@@ -396,7 +396,8 @@ class ModelRunner:
         sample_idx = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
         feed_dst, feed_src = self._pending_feed_indices(req_ids, computed, cu)
         logits_idx = cu[1:][sample_idx] - 1
-        identity = np.arange(len(logits_idx))
+        in_order = np.array_equal(logits_idx, np.arange(len(logits_idx)))
+        logits_prefix = len(logits_idx) if in_order else None
 
         # Every index the step needs on the device rides in this one pinned, non-blocking
         # staging: a pageable or blocking copy here would wait for the previous step's kernels
@@ -432,7 +433,7 @@ class ModelRunner:
             positions=staged["positions"],
             metadata=metadata,
             logits_idx=staged["logits_idx"],
-            logits_prefix=len(logits_idx) if np.array_equal(logits_idx, identity) else None,
+            logits_prefix=logits_prefix,
             feed_dst=staged["feed_dst"] if len(feed_dst) else None,
             feed_src=staged["feed_src"],
         )
