@@ -97,10 +97,21 @@ def sweep(
     seconds: float,
     baseline=None,
     graph_len: int = 0,
+    layout: str = "nhd",
+    layers: int = 1,
 ) -> None:
     blocks_per_req = -(-context // block)
     num_blocks = batch * blocks_per_req
-    cache = torch.randn(2, num_blocks, block, kv_heads, head, device="cuda", dtype=torch.bfloat16)
+    caches = []
+    for _ in range(layers):  # one cache per layer, as a forward reads them in turn
+        if layout == "hnd":  # each kv head's page contiguous; the kernel reads it through strides
+            cache = torch.randn(2, num_blocks, kv_heads, block, head, device="cuda").bfloat16()
+            caches.append(cache.transpose(2, 3))
+        else:
+            caches.append(
+                torch.randn(2, num_blocks, block, kv_heads, head, device="cuda").bfloat16()
+            )
+    cache = caches[0]
     table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).reshape(batch, -1)
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     starts = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
@@ -111,16 +122,17 @@ def sweep(
     max_seq_len = max(context, graph_len)
 
     def time_us(kernel=paged_attention, **kwargs) -> float:
-        def run() -> None:
+        def run(cache: torch.Tensor = cache) -> None:
             kernel(query, cache, table, lens, starts, 1, max_seq_len, head**-0.5, out, **kwargs)
 
         # Inside a CUDA graph, as in serving (host launch work excluded).
         run()
+        calls = max(10, layers)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(10):
-                run()
-        return triton.testing.do_bench(graph.replay, warmup=5, rep=30) * 1e3 / 10
+            for i in range(calls):
+                run(caches[i % layers])
+        return triton.testing.do_bench(graph.replay, warmup=5, rep=30) * 1e3 / calls
 
     default_us = time_us()
     results = [(default_us, "default", {})]
@@ -143,7 +155,11 @@ def sweep(
             continue
     results.sort(key=lambda r: r[0])
     graph = f", launch for {max_seq_len}" if max_seq_len > context else ""
-    print(f"batch {batch} x context {context}{graph} ({nbytes / 1e6:.0f} MB of K/V):", flush=True)
+    print(
+        f"batch {batch} x context {context}{graph}, block {block}, {layout} cache x {layers} "
+        f"({nbytes / 1e6:.0f} MB of K/V):",
+        flush=True,
+    )
     shown = results[:6] + [r for r in results[6:] if r[1]]  # the default and baseline always
     for us, tag, launch in shown:
         rate = nbytes / (us * 1e-6)
@@ -171,6 +187,19 @@ def main() -> None:
         default=0,
         help="choose the decode launch for this context (a CUDA graph captured for max_model_len)",
     )
+    parser.add_argument(
+        "--layout",
+        default="nhd",
+        choices=("nhd", "hnd"),
+        help="decode cache layout: [block, token, head, dim] (the engine's) or each kv head's "
+        "page contiguous, [block, head, token, dim], read through strides",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="a cache per layer, each call of the graph reading the next (as a forward does)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_attention.py needs a CUDA GPU")
@@ -191,6 +220,8 @@ def main() -> None:
             args.seconds,
             load_baseline(args.baseline) if args.baseline else None,
             args.graph_len,
+            args.layout,
+            args.layers,
         )
 
 

@@ -200,6 +200,25 @@ def test_interpreter_rejects_mismatched_arguments():
 
 
 @interpreter_only
+def test_interpreter_reads_a_head_major_cache_through_its_strides():
+    """The kernel addresses K/V by the cache's strides: a [2, blocks, kv_heads, block, head]
+    store viewed as [2, blocks, block, kv_heads, head] (what benchmarks/sweep_attention.py
+    --layout hnd times) attends like the same values stored contiguously; a cache whose last
+    dimension is strided is refused, naming the strides."""
+    case = make_paged_case([1, 3, 1], [37, 9, 20], 4, 2, 16, 8, torch.float32, "cpu", seed=11)
+    ref = reference(case)
+    head_major = case["kv_cache"].transpose(2, 3).contiguous().transpose(2, 3)
+    assert not head_major.is_contiguous() and torch.equal(head_major, case["kv_cache"])
+    strided = dict(case, kv_cache=head_major)
+    out = run_kernel(strided, num_splits=2)
+    assert rel_error(out, ref) < 1e-5
+    assert torch.equal(out, run_kernel(case, num_splits=2))
+    no_unit_stride = case["kv_cache"].transpose(3, 4).contiguous().transpose(3, 4)
+    with pytest.raises(ValueError, match="unit last stride"):
+        run_kernel(dict(case, kv_cache=no_unit_stride))
+
+
+@interpreter_only
 def test_interpreter_launch_overrides():
     """A capped-register launch (ignored by the interpreter) gives the same output; an unknown
     launch key is named in the error with the allowed ones."""

@@ -153,20 +153,22 @@ def test_row_argmax_on_cpu_is_torch_argmax():
 
 
 @pytest.mark.gpu
-def test_row_argmax_on_cuda_few_rows():
+def test_row_argmax_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from v1_engine.sample.sampler import row_argmax
+    from v1_engine.sample.sampler import _TRITON_ARGMAX_MAX_ROWS, row_argmax
 
     x = torch.randn(3, 128256, device="cuda")
     x[0, [5, 128000]] = 99.0
     x[2, 77777] = float("nan")
     assert torch.equal(row_argmax(x), x.argmax(dim=-1))
-    # The Triton path (kernels/triton_argmax.py) on bf16 logits and on 31 rows; 32 rows and
-    # more take torch.argmax.
+    # The Triton path (kernels/triton_argmax.py) on bf16 logits, at a batch-64 decode step and
+    # at the most rows it takes; one row more takes torch.argmax.
     assert torch.equal(row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
-    many = torch.randn(31, 128256, device="cuda")
-    assert torch.equal(row_argmax(many), many.argmax(dim=-1))
+    for rows in (64, _TRITON_ARGMAX_MAX_ROWS, _TRITON_ARGMAX_MAX_ROWS + 1):
+        many = torch.randn(rows, 128256, device="cuda").bfloat16()
+        many[rows // 2, [7, 70000]] = 50.0  # a tie in one row: the first index wins
+        assert torch.equal(row_argmax(many), many.argmax(dim=-1))
 
 
 def test_model_dtype_logits_sample_as_their_float32_copy(build_metadata: BuildMetadata) -> None:

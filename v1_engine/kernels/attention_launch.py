@@ -91,10 +91,11 @@ def check_args(
     """Raises ValueError naming the argument whose shape, dtype or device does not fit."""
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_size], got {query.shape}")
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.stride(4) != 1:
         raise ValueError(
-            "kv_cache must be a contiguous [2, num_blocks, block_size, num_kv_heads, head_size] "
-            f"tensor, got {tuple(kv_cache.shape)}"
+            "kv_cache must be a [2, num_blocks, block_size, num_kv_heads, head_size] tensor "
+            f"with a unit last stride, got shape {tuple(kv_cache.shape)} strides "
+            f"{kv_cache.stride()}"
         )
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]

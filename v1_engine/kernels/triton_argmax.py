@@ -1,4 +1,4 @@
-"""Greedy sampling's argmax over a few long rows (decode logits, [rows, vocab]) in one launch.
+"""Greedy sampling's argmax over long rows (decode logits, [rows, vocab]) in one launch.
 
 torch.argmax reduces each row in a single thread block (27 us for a 128k vocabulary at batch 1
 on the H200), and cutting the row into chunks with torch ops costs four launches (max, argmax,

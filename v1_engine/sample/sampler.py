@@ -24,19 +24,26 @@ from v1_engine.sample.topk_topp import apply_min_p, apply_top_k_top_p
 # Keeps q away from 0 so a zero-probability token never wins through 0 / 0.
 _MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
 
-_FEW_ROWS = 32
-"""Below this many rows a CUDA argmax reduces each row in a single thread block (27 us for a
-128k vocabulary at batch 1 on the H200, measured in a decode-step profile): row_argmax spreads
-each row over many programs in one launch instead (kernels/triton_argmax.py)."""
+_TRITON_ARGMAX_MAX_ROWS = 256
+"""Most rows the one-launch Triton argmax takes (kernels/triton_argmax.py); more take
+torch.argmax. A CUDA torch.argmax reduces each row in a single thread block: 28 us for a 128k
+vocabulary from 1 to 64 rows on the H200. Triton, same run (`python
+benchmarks/benchmark_argmax.py`, bf16 / float32 logits, us): 3.3 / 3.7 at 1 row, 9.9 / 11.3 at
+64, 30.0 / 37.9 at 256 against torch's 46.3 / 48.3 (benchmarks/RESULTS.md, "Greedy argmax")."""
 _TRITON_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim of [N, V] (the first index among equal maxima, NaN counting as
-    the largest, as torch.argmax). On CUDA with few rows of a float dtype: one Triton launch
-    over (row, chunk) programs, same result; torch.argmax otherwise."""
+    the largest, as torch.argmax). On CUDA, up to _TRITON_ARGMAX_MAX_ROWS rows of a float dtype:
+    one Triton launch over (row, chunk) programs, same result; torch.argmax otherwise."""
     rows = x.shape[0]
-    if x.is_cuda and rows < _FEW_ROWS and x.dtype in _TRITON_ARGMAX_DTYPES and x.stride(-1) == 1:
+    if (
+        x.is_cuda
+        and rows <= _TRITON_ARGMAX_MAX_ROWS
+        and x.dtype in _TRITON_ARGMAX_DTYPES
+        and x.stride(-1) == 1
+    ):
         from v1_engine.kernels import triton_argmax
 
         return triton_argmax.row_argmax(x)
