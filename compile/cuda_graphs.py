@@ -162,24 +162,35 @@ class DecodeCudaGraphs:
         )
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        feed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The forward of a decode step by graph replay: hidden states [num_reqs, hidden].
 
-        The returned tensor is the graph's output buffer: read it before the next replay."""
+        `feed` = ([num_reqs] source rows, -1 for none; the previous step's sampled tokens): the
+        tokens fed into input_ids on the device (kernels/triton_inputs.py writes them with the
+        step's other inputs and the padding rows in one launch). The returned tensor is the
+        graph's output buffer: read it before the next replay."""
+        from v1_engine.kernels.triton_inputs import write_decode_inputs
+
         n = metadata.num_reqs
         size = self.padded_size(n)
         assert size is not None and size in self._graphs, f"no graph holds {n} requests"
-        self.input_ids[:n].copy_(input_ids[:n], non_blocking=True)
-        self.positions[:n].copy_(positions[:n], non_blocking=True)
-        self.slot_mapping[:n].copy_(metadata.slot_mapping[:n], non_blocking=True)
-        self.seq_lens[:n].copy_(metadata.seq_lens, non_blocking=True)
-        width = metadata.block_table.shape[1]
-        self.block_table[:n, :width].copy_(metadata.block_table, non_blocking=True)
-        if size > n:
-            # Rows a larger batch left behind: no cache write, one position to attend over.
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].fill_(1)
+        write_decode_inputs(
+            (
+                input_ids[:n],
+                positions[:n],
+                metadata.slot_mapping[:n],
+                metadata.seq_lens,
+                metadata.block_table,
+            ),
+            (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_table),
+            size,
+            feed,
+        )
         self._graphs[size].graph.replay()
         self.num_replays += 1
         return self._graphs[size].output[:n]

@@ -20,7 +20,7 @@ import torch
 from test_deepseek_vs_hf import TINY_VARIANTS, save_tiny_deepseek
 
 from v1_engine import LLM, SamplingParams
-from v1_engine.attention.backend import AttentionMetadata
+from v1_engine.worker.model_runner import StepInputs
 
 V2_GROUPED_NO_QLORA = {
     "model_type": "deepseek_v2",
@@ -135,12 +135,10 @@ class StepRecorder:
         self.query_lens: list[list[int]] = []
         self._run_forward = run_forward
 
-    def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        starts = metadata.query_start_loc_cpu.tolist()
+    def __call__(self, inputs: StepInputs) -> torch.Tensor:
+        starts = inputs.metadata.query_start_loc_cpu.tolist()
         self.query_lens.append([b - a for a, b in itertools.pairwise(starts)])
-        return self._run_forward(input_ids, positions, metadata)
+        return self._run_forward(inputs)
 
     @property
     def num_mixed_steps(self) -> int:

@@ -74,6 +74,9 @@ class StepInputs:
     feed_dst: torch.Tensor | None
     """Where the previous step's sampled tokens go in input_ids; None when none do."""
     feed_src: torch.Tensor
+    feed_rows: torch.Tensor | None
+    """A uniform decode step's feed per token: the previous step's row it consumes, -1 for
+    none (what a decode graph's input kernel reads); None for other steps or without a feed."""
 
 
 class ModelRunner:
@@ -398,6 +401,10 @@ class ModelRunner:
         logits_idx = cu[1:][sample_idx] - 1
         in_order = np.array_equal(logits_idx, np.arange(len(logits_idx)))
         logits_prefix = len(logits_idx) if in_order else None
+        feed_rows = None
+        if len(feed_dst) and num_sched.max() == 1:
+            feed_rows = np.full(total, -1, dtype=np.int64)
+            feed_rows[feed_dst] = feed_src
 
         # Every index the step needs on the device rides in this one pinned, non-blocking
         # staging: a pageable or blocking copy here would wait for the previous step's kernels
@@ -412,6 +419,7 @@ class ModelRunner:
             logits_idx=logits_idx,
             feed_dst=feed_dst,
             feed_src=feed_src,
+            **({} if feed_rows is None else {"feed_rows": feed_rows}),
         )
         metadata = AttentionMetadata(
             num_actual_tokens=total,
@@ -436,6 +444,7 @@ class ModelRunner:
             logits_prefix=logits_prefix,
             feed_dst=staged["feed_dst"] if len(feed_dst) else None,
             feed_src=staged["feed_src"],
+            feed_rows=staged.get("feed_rows"),
         )
 
     @torch.inference_mode()
@@ -453,14 +462,7 @@ class ModelRunner:
         req_ids = list(so.num_scheduled_tokens)
         inputs = self._prepare_inputs(so, req_ids)
         rows, cu, sample_idx = inputs.rows, inputs.cu, inputs.sample_idx
-        if inputs.feed_dst is not None:
-            # The previous step's sampled tokens, still on the device, become this step's
-            # inputs where this step computes them (a decode step's only token).
-            assert self._pending is not None
-            inputs.input_ids.index_copy_(
-                0, inputs.feed_dst, self._pending.device_ids.index_select(0, inputs.feed_src)
-            )
-        hidden = self._run_forward(inputs.input_ids, inputs.positions, inputs.metadata)
+        hidden = self._run_forward(inputs)
         prompt_logprobs = self._prompt_logprobs(req_ids, rows, cu, hidden)
         batch.num_computed_tokens[rows] = inputs.seq_lens
         # Penalties and min_tokens need the previous step's tokens on the host: by now the
@@ -491,14 +493,27 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _run_forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        """Hidden states of the step: a decode graph, piecewise graphs, or the plain forward."""
-        layers = self.model.attention_layers()
+    def _run_forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of the step: a decode graph, piecewise graphs, or the plain forward.
+
+        The previous step's sampled tokens, still on the device, become this step's inputs
+        where this step computes them (a decode step's only token): the decode graph's input
+        kernel writes them with the rest; the other paths scatter them into input_ids first."""
+        input_ids, positions, metadata = inputs.input_ids, inputs.positions, inputs.metadata
+        pending = self._pending
         decode = self._decode_graphs
         if decode is not None and decode.can_run(metadata):
-            return decode.run(input_ids, positions, metadata)
+            feed = None
+            if inputs.feed_dst is not None:
+                assert pending is not None and inputs.feed_rows is not None
+                feed = (inputs.feed_rows, pending.device_ids)
+            return decode.run(input_ids, positions, metadata, feed)
+        if inputs.feed_dst is not None:
+            assert pending is not None
+            input_ids.index_copy_(
+                0, inputs.feed_dst, pending.device_ids.index_select(0, inputs.feed_src)
+            )
+        layers = self.model.attention_layers()
         piecewise = self._piecewise_graphs
         if piecewise is not None and piecewise.can_run(metadata):
             return piecewise.run(input_ids, positions, metadata, self.attn_backend, layers)

@@ -1,0 +1,104 @@
+"""A decode step's inputs written into a graph's buffers in one launch
+(kernels/triton_inputs.py) equal the tensor ops they replace: the feed's gather and scatter, the
+five copies and the padding fills; under the interpreter on CPU, on the device with CUDA."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+_CUDA = torch.cuda.is_available()
+if not _CUDA:
+    # Must be set before triton is imported and the kernels are decorated.
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "v1_engine.kernels.triton_inputs" in sys.modules:
+        importlib.reload(sys.modules["v1_engine.kernels.triton_inputs"])
+
+triton_inputs = pytest.importorskip("v1_engine.kernels.triton_inputs")
+DEVICE = "cuda" if _CUDA else "cpu"
+
+
+def graph_buffers(size: int, width: int) -> tuple[torch.Tensor, ...]:
+    """Buffers holding stale values, as a graph's do after earlier steps."""
+    g = torch.Generator().manual_seed(7)
+    return tuple(
+        t.to(DEVICE)
+        for t in (
+            torch.randint(0, 1000, (size,), generator=g),
+            torch.randint(0, 1000, (size,), generator=g),
+            torch.randint(0, 1000, (size,), generator=g),
+            torch.randint(1, 1000, (size,), generator=g, dtype=torch.int32),
+            torch.randint(0, 1000, (size, width), generator=g, dtype=torch.int32),
+        )
+    )
+
+
+def step(n: int, width: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(
+        t.to(DEVICE)
+        for t in (
+            torch.randint(0, 50000, (n,), generator=g),
+            torch.randint(0, 8000, (n,), generator=g),
+            torch.randint(0, 100000, (n,), generator=g),
+            torch.randint(1, 8000, (n,), generator=g, dtype=torch.int32),
+            torch.randint(0, 5000, (n, width), generator=g, dtype=torch.int32),
+        )
+    )
+
+
+def expected(src, dst, size, feed):
+    """The tensor ops DecodeCudaGraphs.run used: feed scatter, copies, padding fills."""
+    ids, positions, slots, seq_lens, table = (t.clone() for t in src)
+    out = [t.clone() for t in dst]
+    n = ids.shape[0]
+    if feed is not None:
+        rows, pending = feed
+        dst_rows = torch.nonzero(rows >= 0).flatten()
+        ids.index_copy_(0, dst_rows, pending.index_select(0, rows[dst_rows]))
+    for buffer, value in zip(out[:4], (ids, positions, slots, seq_lens)):
+        buffer[:n].copy_(value)
+    out[4][:n, : table.shape[1]].copy_(table)
+    out[2][n:size].fill_(-1)
+    out[3][n:size].fill_(1)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("n", "size", "width", "fed"),
+    [(1, 1, 3, [0]), (3, 4, 130, [2, -1, 0]), (5, 8, 1, None), (2, 2, 0, [-1, -1])],
+)
+def test_matches_the_tensor_ops(n, size, width, fed):
+    """A width over one loop step (130 > 128), padding rows, rows with and without a feed."""
+    dst = graph_buffers(8, 132)
+    src = step(n, width, seed=n + width)
+    feed = None
+    if fed is not None:
+        pending = torch.tensor([11, 22, 33], device=DEVICE)
+        feed = (torch.tensor(fed, device=DEVICE), pending)
+    want = expected(src, dst, size, feed)
+    triton_inputs.write_decode_inputs(src, dst, size, feed)
+    for name, got, ref in zip(("ids", "positions", "slots", "seq_lens", "table"), dst, want):
+        assert torch.equal(got, ref), name
+    if fed is not None and fed[0] >= 0:
+        assert dst[0][0].item() == [11, 22, 33][fed[0]]
+
+
+def test_bad_input_names_the_problem():
+    dst = graph_buffers(4, 8)
+    src = step(3, 4, seed=1)
+    with pytest.raises(ValueError, match="size"):
+        triton_inputs.write_decode_inputs(src, dst, 2)
+    with pytest.raises(ValueError, match="block_table"):
+        triton_inputs.write_decode_inputs((*src[:4], src[4].long()), dst, 4)
+    with pytest.raises(ValueError, match="fit the graph"):
+        triton_inputs.write_decode_inputs((*src[:4], step(3, 9, seed=2)[4]), dst, 4)
+    with pytest.raises(ValueError, match="positions must hold integers"):
+        triton_inputs.write_decode_inputs((src[0], src[1].float(), *src[2:]), dst, 4)
+    with pytest.raises(ValueError, match="feed rows"):
+        feed = (torch.zeros(2, dtype=torch.int64, device=DEVICE), src[0])
+        triton_inputs.write_decode_inputs(src, dst, 4, feed)
