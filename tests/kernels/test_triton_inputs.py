@@ -22,31 +22,18 @@ triton_inputs = pytest.importorskip("v1_engine.kernels.triton_inputs")
 DEVICE = "cuda" if _CUDA else "cpu"
 
 
-def graph_buffers(size: int, width: int) -> tuple[torch.Tensor, ...]:
-    """Buffers holding stale values, as a graph's do after earlier steps."""
-    g = torch.Generator().manual_seed(7)
-    return tuple(
-        t.to(DEVICE)
-        for t in (
-            torch.randint(0, 1000, (size,), generator=g),
-            torch.randint(0, 1000, (size,), generator=g),
-            torch.randint(0, 1000, (size,), generator=g),
-            torch.randint(1, 1000, (size,), generator=g, dtype=torch.int32),
-            torch.randint(0, 1000, (size, width), generator=g, dtype=torch.int32),
-        )
-    )
-
-
-def step(n: int, width: int, seed: int) -> tuple[torch.Tensor, ...]:
+def random_inputs(rows: int, width: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """(input_ids, positions, slot_mapping, seq_lens, block_table) of `rows` random rows: a
+    step's inputs, or a graph's buffers holding stale values from earlier steps."""
     g = torch.Generator().manual_seed(seed)
     return tuple(
         t.to(DEVICE)
         for t in (
-            torch.randint(0, 50000, (n,), generator=g),
-            torch.randint(0, 8000, (n,), generator=g),
-            torch.randint(0, 100000, (n,), generator=g),
-            torch.randint(1, 8000, (n,), generator=g, dtype=torch.int32),
-            torch.randint(0, 5000, (n, width), generator=g, dtype=torch.int32),
+            torch.randint(0, 50000, (rows,), generator=g),
+            torch.randint(0, 8000, (rows,), generator=g),
+            torch.randint(0, 100000, (rows,), generator=g),
+            torch.randint(1, 8000, (rows,), generator=g, dtype=torch.int32),
+            torch.randint(0, 5000, (rows, width), generator=g, dtype=torch.int32),
         )
     )
 
@@ -74,8 +61,8 @@ def expected(src, dst, size, feed):
 )
 def test_matches_the_tensor_ops(n, size, width, fed):
     """A width over one loop step (130 > 128), padding rows, rows with and without a feed."""
-    dst = graph_buffers(8, 132)
-    src = step(n, width, seed=n + width)
+    dst = random_inputs(8, 132, seed=7)
+    src = random_inputs(n, width, seed=n + width)
     feed = None
     if fed is not None:
         pending = torch.tensor([11, 22, 33], device=DEVICE)
@@ -89,14 +76,14 @@ def test_matches_the_tensor_ops(n, size, width, fed):
 
 
 def test_bad_input_names_the_problem():
-    dst = graph_buffers(4, 8)
-    src = step(3, 4, seed=1)
+    dst = random_inputs(4, 8, seed=7)
+    src = random_inputs(3, 4, seed=1)
     with pytest.raises(ValueError, match="size"):
         triton_inputs.write_decode_inputs(src, dst, 2)
     with pytest.raises(ValueError, match="block_table"):
         triton_inputs.write_decode_inputs((*src[:4], src[4].long()), dst, 4)
     with pytest.raises(ValueError, match="fit the graph"):
-        triton_inputs.write_decode_inputs((*src[:4], step(3, 9, seed=2)[4]), dst, 4)
+        triton_inputs.write_decode_inputs((*src[:4], random_inputs(3, 9, seed=2)[4]), dst, 4)
     with pytest.raises(ValueError, match="positions must hold integers"):
         triton_inputs.write_decode_inputs((src[0], src[1].float(), *src[2:]), dst, 4)
     with pytest.raises(ValueError, match="feed rows"):
