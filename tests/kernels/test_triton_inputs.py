@@ -65,7 +65,8 @@ def test_matches_the_tensor_ops(n, size, width, fed):
     src = random_inputs(n, width, seed=n + width)
     feed = None
     if fed is not None:
-        pending = torch.tensor([11, 22, 33], device=DEVICE)
+        # The sampled tokens as a strided view: the kernel reads them through their stride.
+        pending = torch.tensor([[11, 0], [22, 0], [33, 0]], device=DEVICE)[:, 0]
         feed = (torch.tensor(fed, device=DEVICE), pending)
     want = expected(src, dst, size, feed)
     triton_inputs.write_decode_inputs(src, dst, size, feed)
@@ -89,3 +90,10 @@ def test_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="feed rows"):
         feed = (torch.zeros(2, dtype=torch.int64, device=DEVICE), src[0])
         triton_inputs.write_decode_inputs(src, dst, 4, feed)
+
+
+def test_sm90_build(run_compile_probe):
+    """Compiled for sm_90 (no GPU needed; the interpreter accepts code the GPU compiler may
+    not): with and without the feed, a few registers and no spills."""
+    for variant, usage in run_compile_probe("inputs_probe.py").items():
+        assert usage["stack"] == 0 and 0 < usage["registers"] <= 64, (variant, usage)

@@ -34,6 +34,7 @@ def _decode_inputs_kernel(
     width,
     feed_ptr,
     pending_ptr,
+    pending_stride,
     out_ids_ptr,
     out_pos_ptr,
     out_slot_ptr,
@@ -50,7 +51,7 @@ def _decode_inputs_kernel(
         if HAS_FEED:
             # The previous step's sampled token where this row consumes one (source row >= 0).
             src = tl.load(feed_ptr + r)
-            fed = tl.load(pending_ptr + tl.maximum(src, 0))
+            fed = tl.load(pending_ptr + tl.maximum(src, 0) * pending_stride)
             token = tl.where(src >= 0, fed.to(token.dtype), token)
         tl.store(out_ids_ptr + r, token.to(out_ids_ptr.dtype.element_ty))
         tl.store(out_pos_ptr + r, tl.load(pos_ptr + r).to(out_pos_ptr.dtype.element_ty))
@@ -67,10 +68,13 @@ def _decode_inputs_kernel(
         tl.store(out_seq_ptr + r, tl.full([], 1, out_seq_ptr.dtype.element_ty))
 
 
-def _check_rows(name: str, tensor: torch.Tensor, rows: int, device: torch.device) -> None:
-    if tensor.dim() != 1 or tensor.shape[0] < rows or tensor.stride(0) != 1:
+def _check_rows(
+    name: str, tensor: torch.Tensor, rows: int, device: torch.device, contiguous: bool = True
+) -> None:
+    if tensor.dim() != 1 or tensor.shape[0] < rows or (contiguous and tensor.stride(0) != 1):
+        kind = "a contiguous 1-D" if contiguous else "a 1-D"
         raise ValueError(
-            f"{name} must be a contiguous 1-D tensor of at least {rows} rows, got shape "
+            f"{name} must be {kind} tensor of at least {rows} rows, got shape "
             f"{tuple(tensor.shape)} strides {tensor.stride()}"
         )
     if tensor.device != device:
@@ -116,7 +120,7 @@ def write_decode_inputs(
     if feed is not None:
         rows, pending = feed
         _check_rows("feed rows", rows, n, device)
-        _check_rows("pending tokens", pending, 1, device)
+        _check_rows("pending tokens", pending, 1, device, contiguous=False)
     if size == 0:
         return
     feed_rows, pending = feed if feed is not None else (ids, ids)  # never read without a feed
@@ -130,6 +134,7 @@ def write_decode_inputs(
         table.shape[1],
         feed_rows,
         pending,
+        pending.stride(0),
         out_ids,
         out_pos,
         out_slots,
