@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from v1_engine.attention.backend import AttentionMetadata
 from v1_engine.forward_context import set_forward_context
+from v1_engine.kernels.triton_inputs import write_decode_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -174,8 +175,6 @@ class DecodeCudaGraphs:
         tokens fed into input_ids on the device (kernels/triton_inputs.py writes them with the
         step's other inputs and the padding rows in one launch). The returned tensor is the
         graph's output buffer: read it before the next replay."""
-        from v1_engine.kernels.triton_inputs import write_decode_inputs
-
         n = metadata.num_reqs
         size = self.padded_size(n)
         assert size is not None and size in self._graphs, f"no graph holds {n} requests"

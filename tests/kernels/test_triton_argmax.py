@@ -4,22 +4,13 @@ on the device with CUDA."""
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    # Must be set before triton is imported and the kernels are decorated.
-    os.environ["TRITON_INTERPRET"] = "1"
-    if "v1_engine.kernels.triton_argmax" in sys.modules:
-        importlib.reload(sys.modules["v1_engine.kernels.triton_argmax"])
-
+# On the CPU the kernels run under Triton's interpreter, which tests/conftest.py turns on
+# before any kernel module is imported.
 triton_argmax = pytest.importorskip("v1_engine.kernels.triton_argmax")
-DEVICE = "cuda" if _CUDA else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def check(x: torch.Tensor) -> None:

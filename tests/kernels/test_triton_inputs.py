@@ -4,22 +4,13 @@ five copies and the padding fills; under the interpreter on CPU, on the device w
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    # Must be set before triton is imported and the kernels are decorated.
-    os.environ["TRITON_INTERPRET"] = "1"
-    if "v1_engine.kernels.triton_inputs" in sys.modules:
-        importlib.reload(sys.modules["v1_engine.kernels.triton_inputs"])
-
+# On the CPU the kernels run under Triton's interpreter, which tests/conftest.py turns on
+# before any kernel module is imported.
 triton_inputs = pytest.importorskip("v1_engine.kernels.triton_inputs")
-DEVICE = "cuda" if _CUDA else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def random_inputs(rows: int, width: int, seed: int) -> tuple[torch.Tensor, ...]:
