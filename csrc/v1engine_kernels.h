@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define V1E_ABI_VERSION 5
+#define V1E_ABI_VERSION 6
 
 #if defined(_WIN32)
 #define V1E_API __declspec(dllexport)
@@ -111,6 +111,22 @@ V1E_API int v1e_block_scaled_mm(void* out, const void* a, const void* b, const f
                                 const float* scale_b, int64_t m, int64_t n, int64_t k,
                                 int64_t lda, int64_t ldb, int64_t ld_scale_a, int out_dtype,
                                 int pdl, void* stream);
+
+/* Number of launch configurations v1e_fp8_gemv accepts (config ids 0 .. n-1). */
+V1E_API int v1e_fp8_gemv_num_configs(void);
+
+/*
+ * The same product as v1e_scaled_mm for decode-sized M (1..8), by a GEMV-shaped kernel: each
+ * block streams 16 rows of b through the tensor cores' m16n8k32 e4m3 MMA with the activation
+ * rows as its 8 columns (csrc/fp8_gemv.cu). Arguments as v1e_scaled_mm, except: m in [1, 8];
+ * n a multiple of 16, k of 64; a and b 16-byte aligned (out and bias need no alignment); config
+ * in [0, v1e_fp8_gemv_num_configs()) picks warps per block and loads in flight. Needs sm_89+.
+ * Failures are recorded for v1e_fp8_gemm_error().
+ */
+V1E_API int v1e_fp8_gemv(void* out, const void* a, const void* b, const float* scale_a,
+                         const float* scale_b, const void* bias, int64_t m, int64_t n, int64_t k,
+                         int64_t lda, int64_t ldb, int scale_a_per_row, int scale_b_per_col,
+                         int out_dtype, int config, int pdl, void* stream);
 
 #ifdef __cplusplus
 }

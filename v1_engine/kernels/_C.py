@@ -17,7 +17,7 @@ import torch
 
 LIBRARY_FILENAME = "libv1engine_kernels.so"
 LIBRARY_ENV_VAR = "V1ENGINE_KERNELS_LIB"
-ABI_VERSION = 5
+ABI_VERSION = 6
 """Must equal V1E_ABI_VERSION in csrc/v1engine_kernels.h."""
 
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -111,6 +111,11 @@ def _declare_fp8_gemm_signatures(lib: ctypes.CDLL) -> None:
         _ptr,  # cudaStream_t
     ]
     lib.v1e_scaled_mm.restype = ctypes.c_int
+    # The decode-sized GEMV (csrc/fp8_gemv.cu): v1e_scaled_mm's arguments, config its own.
+    lib.v1e_fp8_gemv_num_configs.argtypes = []
+    lib.v1e_fp8_gemv_num_configs.restype = ctypes.c_int
+    lib.v1e_fp8_gemv.argtypes = lib.v1e_scaled_mm.argtypes
+    lib.v1e_fp8_gemv.restype = ctypes.c_int
     lib.v1e_block_scaled_mm.argtypes = [
         _ptr,  # out [M, N]
         _ptr,  # a [M, K] e4m3

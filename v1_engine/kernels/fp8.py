@@ -16,7 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from v1_engine.kernels.fp8_cutlass import block_scaled_mm_cutlass, scaled_mm_cutlass
+from v1_engine.kernels.fp8_cutlass import (
+    block_scaled_mm_cutlass,
+    fits_gemv,
+    prefers_gemv,
+    scaled_mm_cutlass,
+    scaled_mm_gemv,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -393,6 +399,9 @@ def _scaled_mm_cuda(
     from v1_engine.kernels import triton_gemv_fp8 as skinny
 
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
+    # Decode-sized M: the tensor-core GEMV of csrc/fp8_gemv.cu.
+    if prefers_gemv(m) and fits_gemv(a, b, out_dtype, bias):
+        return scaled_mm_gemv(a, b, scale_a, scale_b, out_dtype, bias)
     if skinny.fits_fp8_skinny(a, b, bias) and skinny.prefers_fp8_skinny("channel", m, n, k):
         return skinny.fp8_skinny_gemm(a, b, scale_a, scale_b, out_dtype, bias)
     return scaled_mm_cutlass(a, b, scale_a, scale_b, out_dtype, bias)

@@ -1,8 +1,10 @@
-"""CUTLASS FP8 GEMM launches through the C ABI of libv1engine_kernels.so.
+"""CUTLASS FP8 GEMM launches (and the decode-sized FP8 GEMV) through the C ABI of
+libv1engine_kernels.so.
 
 The CUDA implementations behind the `scaled_mm` / `block_scaled_mm` custom ops of fp8.py: the
-M-bucket tile dispatch table, argument marshalling to `v1e_scaled_mm` / `v1e_block_scaled_mm`,
-and the library's account of a refused call. Argument validation happens in fp8.py first.
+M-bucket tile dispatch table, argument marshalling to `v1e_scaled_mm` / `v1e_block_scaled_mm` /
+`v1e_fp8_gemv`, and the library's account of a refused call. Argument validation happens in
+fp8.py first.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 
 import torch
 
@@ -41,6 +44,22 @@ projections at M = 65..256 run config 4 at 1233 / 1325 / 1342 TFLOP/s against co
 1059 / 1272; `--tune --m 8192`: the Llama-3-8B qkv and o projections above M = 4096 run config
 4 at 1434 / 1431 TFLOP/s against config 5's 1177 / 1298, their N being too narrow for config
 5's 256-wide tiles to fill the GPU)."""
+
+GEMV_MAX_M = 8
+"""Most rows v1e_fp8_gemv takes (the n = 8 of its m16n8k32 MMA, csrc/fp8_gemv.cu)."""
+
+GEMV_ENABLED = os.environ.get("V1ENGINE_FP8_GEMV", "1") != "0"
+"""V1ENGINE_FP8_GEMV=0 keeps decode-sized per-channel FP8 GEMMs off the GEMV kernel."""
+
+GEMV_DEFAULT_CONFIG = 0
+"""Launch configuration of csrc/fp8_gemv.cu (warps per block, loads in flight) where
+GEMV_SHAPE_CONFIGS holds no measured one."""
+
+GEMV_SHAPE_CONFIGS: dict[tuple[int, int], int] = {}
+"""(N, K) -> the GEMV's measured best launch configuration (`benchmarks/benchmark_fp8_gemv.py`)."""
+
+NUM_GEMV_CONFIGS = 5
+"""Launch configurations compiled into the library (ids 0..4), see csrc/fp8_gemv.cu."""
 
 NUM_SCALED_MM_CONFIGS = 8
 """Tile configurations compiled into the library (ids 0..7), see csrc/scaled_mm_sm90.cuh."""
@@ -113,6 +132,71 @@ def scaled_mm_cutlass(
             torch.cuda.current_stream().cuda_stream,
         )
     check_gemm_status(lib, code, "v1e_scaled_mm")
+    return out
+
+
+def fits_gemv(
+    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+) -> bool:
+    """Whether v1e_fp8_gemv takes these operands: 1..GEMV_MAX_M rows, N a multiple of 16 and K
+    of 64, K-contiguous a and b with 16-byte aligned rows, a contiguous [N] bias of out_dtype."""
+    m, k = a.shape
+    n = b.shape[0]
+    if not 1 <= m <= GEMV_MAX_M or n % 16 or k % 64:
+        return False
+    if a.stride(1) != 1 or b.stride(1) != 1 or (m > 1 and a.stride(0) % 16) or b.stride(0) % 16:
+        return False
+    if a.data_ptr() % 16 or b.data_ptr() % 16:
+        return False
+    return bias is None or (bias.shape == (n,) and bias.is_contiguous() and bias.dtype == out_dtype)
+
+
+def prefers_gemv(m: int) -> bool:
+    """True where the GEMV runs the per-channel GEMM: decode-sized M (at most GEMV_MAX_M), unless
+    V1ENGINE_FP8_GEMV=0."""
+    return GEMV_ENABLED and 1 <= m <= GEMV_MAX_M
+
+
+def scaled_mm_gemv(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    config: int | None = None,
+) -> torch.Tensor:
+    """The decode-sized GEMV (csrc/fp8_gemv.cu) for operands `fits_gemv` accepts; `config`
+    overrides GEMV_SHAPE_CONFIGS (tuning)."""
+    lib = _library()
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
+    out = a.new_empty((m, n), dtype=out_dtype)
+    if config is None:
+        config = GEMV_SHAPE_CONFIGS.get((n, k), GEMV_DEFAULT_CONFIG)
+    elif not 0 <= config < NUM_GEMV_CONFIGS:
+        raise ValueError(f"config must be in [0, {NUM_GEMV_CONFIGS}), got {config}")
+    scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
+    with torch.cuda.device(a.device):
+        code = lib.v1e_fp8_gemv(
+            out.data_ptr(),
+            a.data_ptr(),
+            b.data_ptr(),
+            scale_a.data_ptr(),
+            scale_b.data_ptr(),
+            0 if bias is None else bias.data_ptr(),
+            m,
+            n,
+            k,
+            a.stride(0) if m > 1 else k,
+            b.stride(0) if n > 1 else k,
+            int(scale_a.numel() != 1),
+            int(scale_b.numel() != 1),
+            _C.DTYPE_CODES[out_dtype],
+            config,
+            int(use_pdl(out.device)),
+            torch.cuda.current_stream().cuda_stream,
+        )
+    check_gemm_status(lib, code, "v1e_fp8_gemv")
     return out
 
 
