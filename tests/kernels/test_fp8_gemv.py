@@ -49,16 +49,18 @@ def test_fits_gemv_by_rows_shape_layout_and_bias() -> None:
     )
 
 
-def test_prefers_gemv_for_decode_rows_unless_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert [fp8_cutlass.prefers_gemv(m) for m in (0, 1, 8, 9, 64)] == [
+def test_prefers_gemv_for_decode_rows_of_measured_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    (n, k), *_ = fp8_cutlass.GEMV_SHAPE_CONFIGS
+    assert [fp8_cutlass.prefers_gemv(m, n, k) for m in (0, 1, 8, 9, 64)] == [
         False,
         True,
         True,
         False,
         False,
     ]
+    assert not fp8_cutlass.prefers_gemv(1, 28672, 4096)  # measured slower than CUTLASS
     monkeypatch.setattr(fp8_cutlass, "GEMV_ENABLED", False)
-    assert not fp8_cutlass.prefers_gemv(1)
+    assert not fp8_cutlass.prefers_gemv(1, n, k)
 
 
 # ----- the C entry point's checks (library built; nothing launched) ----------------------------
