@@ -44,12 +44,13 @@ def gpu_kernel_ms(prof: profile) -> float:
 
 def decode_kernels_per_step(prof: profile, steps: int) -> str:
     """Per decode step: each kernel's device time and launches over the trace's last `steps`
-    steps, largest first. Every step ends with its greedy sampling's argmax kernel, so the
+    steps, largest first. Every step ends with its greedy sampling's argmax kernel (torch's
+    ArgMax reduce, or kernels/triton_argmax.py's `_row_argmax_kernel` up to 256 rows), so the
     kernels after the first argmax (the prefill step's) and up to the last are the decode
     steps'. (Subtracting a separate prefill-only trace instead failed for long prompts: at 64
     x 1k tokens the prefill's run-to-run spread, ~12 ms, swamped a few decode steps.)"""
     events = _device_events(prof)
-    ends = [i for i, e in enumerate(events) if "ArgMax" in e.name]
+    ends = [i for i, e in enumerate(events) if "ArgMax" in e.name or "_row_argmax" in e.name]
     if len(ends) != steps + 1:
         raise SystemExit(
             f"expected one argmax kernel per step ({steps + 1}), found {len(ends)}: "

@@ -120,7 +120,9 @@ V1E_API int v1e_fp8_gemv_num_configs(void);
  * block streams 16 rows of b through the tensor cores' m16n8k32 e4m3 MMA with the activation
  * rows as its 8 columns (csrc/fp8_gemv.cu). Arguments as v1e_scaled_mm, except: m in [1, 8];
  * n a multiple of 16, k of 64; a and b 16-byte aligned (out and bias need no alignment); config
- * in [0, v1e_fp8_gemv_num_configs()) picks warps per block and loads in flight. Needs sm_89+.
+ * in [0, v1e_fp8_gemv_num_configs()) picks warps per block and loads in flight; pdl 1 launches
+ * with PDL and lets dependents launch after the main loop, 2 with PDL and dependents only at
+ * exit, 0 without. Needs sm_89+.
  * Failures are recorded for v1e_fp8_gemm_error().
  */
 V1E_API int v1e_fp8_gemv(void* out, const void* a, const void* b, const float* scale_a,
