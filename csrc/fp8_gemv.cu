@@ -51,7 +51,7 @@ struct GemvArgs {
   int64_t ldb;
   bool scale_a_per_row;
   bool scale_b_per_col;
-  bool early_trigger;  // let dependents launch after the main loop (else: at exit)
+  int trigger;  // when dependents may launch: 0 at exit, 1 after the main loop, 2 at the start
 };
 
 // 16 bytes of a weight row, read once: bypass L1 (nothing else reads it in this kernel).
@@ -105,6 +105,7 @@ template <typename Out, int kWarps, int kUnroll>
 __global__ void __launch_bounds__(kWarps * 32) fp8_gemv_kernel(GemvArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (args.trigger == 2) asm volatile("griddepcontrol.launch_dependents;");
 #endif
   __shared__ float partial[kWarps][kRowsPerBlock][kMaxTokens];
 
@@ -144,7 +145,7 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_gemv_kernel(GemvArgs args) {
     }
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (args.early_trigger) asm volatile("griddepcontrol.launch_dependents;");
+  if (args.trigger == 1) asm volatile("griddepcontrol.launch_dependents;");
 #endif
 
   // Accumulator layout (m16n8 f32): acc[0], acc[1] at (row g, tokens 2t, 2t+1), acc[2], acc[3]
@@ -247,7 +248,7 @@ int v1e_fp8_gemv(void* out, const void* a, const void* b, const float* scale_a,
   const GemvArgs args{out, static_cast<const uint8_t*>(a), static_cast<const uint8_t*>(b),
                       scale_a, scale_b, bias, static_cast<int>(m), static_cast<int>(n),
                       static_cast<int>(k), lda, ldb, scale_a_per_row != 0,
-                      scale_b_per_col != 0, pdl == 1};
+                      scale_b_per_col != 0, pdl == 1 ? 1 : pdl == 3 ? 2 : 0};
   const auto s = static_cast<cudaStream_t>(stream);
   const cudaError_t error = out_dtype == V1E_DTYPE_BFLOAT16
                                 ? dispatch<__nv_bfloat16>(args, config, pdl, s)

@@ -122,7 +122,7 @@ V1E_API int v1e_fp8_gemv_num_configs(void);
  * n a multiple of 16, k of 64; a and b 16-byte aligned (out and bias need no alignment); config
  * in [0, v1e_fp8_gemv_num_configs()) picks warps per block and loads in flight; pdl 1 launches
  * with PDL and lets dependents launch after the main loop, 2 with PDL and dependents only at
- * exit, 0 without. Needs sm_89+.
+ * exit, 3 with PDL and dependents at the start, 0 without. Needs sm_89+.
  * Failures are recorded for v1e_fp8_gemm_error().
  */
 V1E_API int v1e_fp8_gemv(void* out, const void* a, const void* b, const float* scale_a,

@@ -51,10 +51,11 @@ GEMV_MAX_M = 8
 GEMV_ENABLED = os.environ.get("V1ENGINE_FP8_GEMV", "1") != "0"
 """V1ENGINE_FP8_GEMV=0 keeps decode-sized per-channel FP8 GEMMs off the GEMV kernel."""
 
-GEMV_PDL_MODE = {"1": 1, "0": 0, "exit": 2}[os.environ.get("V1ENGINE_FP8_GEMV_PDL", "1")]
+GEMV_PDL_MODE = {"1": 1, "0": 0, "exit": 2, "start": 3}[os.environ.get("V1ENGINE_FP8_GEMV_PDL", "1")]
 """How the GEMV takes part in programmatic dependent launch where PDL is on (v1e_fp8_gemv's pdl):
 1 (default) launched with it, dependents released after the main loop; "exit": launched with
-it, dependents released at exit; 0: launched without it."""
+it, dependents released at exit; "start": released as soon as it passes its wait; 0: launched
+without it."""
 
 GEMV_SHAPE_CONFIGS: dict[tuple[int, int], int] = {
     (6144, 4096): 3,
