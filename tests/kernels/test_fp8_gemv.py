@@ -51,6 +51,9 @@ def test_fits_gemv_by_rows_shape_layout_and_bias() -> None:
 
 def test_prefers_gemv_for_decode_rows_of_measured_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     (n, k), *_ = fp8_cutlass.GEMV_SHAPE_CONFIGS
+    assert not fp8_cutlass.GEMV_ENABLED  # opt-in: slower inside the PDL decode graph
+    assert not fp8_cutlass.prefers_gemv(1, n, k)
+    monkeypatch.setattr(fp8_cutlass, "GEMV_ENABLED", True)
     assert [fp8_cutlass.prefers_gemv(m, n, k) for m in (0, 1, 8, 9, 64)] == [
         False,
         True,
@@ -179,6 +182,7 @@ def test_scaled_mm_op_runs_the_gemv_for_decode_rows_gpu(monkeypatch: pytest.Monk
         return real(a, *args, **kwargs)
 
     monkeypatch.setattr(fp8, "scaled_mm_gemv", counting)
+    monkeypatch.setattr(fp8_cutlass, "GEMV_ENABLED", True)
     for m in (1, 8, 9):
         a, b, sa, sb = _case(m, 4096, 4096, seed=60 + m)
         got = fp8.scaled_mm(a, b, sa, sb, torch.bfloat16)
@@ -191,7 +195,8 @@ def test_scaled_mm_op_runs_the_gemv_for_decode_rows_gpu(monkeypatch: pytest.Monk
 
 
 @pytest.mark.gpu
-def test_gemv_replays_in_a_cuda_graph_gpu() -> None:
+def test_gemv_replays_in_a_cuda_graph_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fp8_cutlass, "GEMV_ENABLED", True)  # the op dispatches to the GEMV
     _, b, _, sb = _case(4, 6144, 4096, seed=80)
     x = torch.randn(4, 4096, generator=torch.Generator().manual_seed(180)).to(
         "cuda", torch.bfloat16

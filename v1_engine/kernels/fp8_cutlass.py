@@ -48,10 +48,19 @@ projections at M = 65..256 run config 4 at 1233 / 1325 / 1342 TFLOP/s against co
 GEMV_MAX_M = 8
 """Most rows v1e_fp8_gemv takes (the n = 8 of its m16n8k32 MMA, csrc/fp8_gemv.cu)."""
 
-GEMV_ENABLED = os.environ.get("V1ENGINE_FP8_GEMV", "1") != "0"
-"""V1ENGINE_FP8_GEMV=0 keeps decode-sized per-channel FP8 GEMMs off the GEMV kernel."""
+GEMV_ENABLED = os.environ.get("V1ENGINE_FP8_GEMV", "0") == "1"
+"""V1ENGINE_FP8_GEMV=1 runs decode-sized per-channel FP8 GEMMs of the GEMV_SHAPE_CONFIGS shapes
+on the GEMV kernel; off by default. Alone (a CUDA graph of ten calls) the GEMV beats CUTLASS
+on those shapes, but inside the engine's decode graph, with programmatic dependent launch on,
+each GEMV call costs about 5 us more than the CUTLASS call it replaces: Llama-3-8B FP8 batch 1
+went 2.65 -> 2.97 ms a step with it on qkv and o_proj (2.80-2.83 with either one alone), and
+none of the GEMV_PDL_MODE settings closed the gap (2.92-3.02 launched with PDL, 2.80 without).
+With PDL off everywhere it does win: 3.001 -> 2.949 ms (benchmarks/RESULTS.md, "FP8 GEMV").
+Not found yet: why its early-launched programs cost more than CUTLASS's."""
 
-GEMV_PDL_MODE = {"1": 1, "0": 0, "exit": 2, "start": 3}[os.environ.get("V1ENGINE_FP8_GEMV_PDL", "1")]
+GEMV_PDL_MODE = {"1": 1, "0": 0, "exit": 2, "start": 3}[
+    os.environ.get("V1ENGINE_FP8_GEMV_PDL", "1")
+]
 """How the GEMV takes part in programmatic dependent launch where PDL is on (v1e_fp8_gemv's pdl):
 1 (default) launched with it, dependents released after the main loop; "exit": launched with
 it, dependents released at exit; "start": released as soon as it passes its wait; 0: launched
@@ -62,12 +71,13 @@ GEMV_SHAPE_CONFIGS: dict[tuple[int, int], int] = {
     (4096, 4096): 1,
 }
 """(N, K) -> launch configuration of csrc/fp8_gemv.cu (warps per block, loads in flight) for
-the shapes where the GEMV beat CUTLASS by at least 3% at every M in 1..8; other shapes stay on
-CUTLASS. `python benchmarks/benchmark_fp8_gemv.py` on the H200 (benchmarks/RESULTS.md, "FP8
+the shapes where the GEMV beat CUTLASS by at least 3% at every M in 1..8 (taken only under
+GEMV_ENABLED); other shapes stay on CUTLASS. `python benchmarks/benchmark_fp8_gemv.py` on the H200 (benchmarks/RESULTS.md, "FP8
 GEMV"): Llama-3-8B qkv 9.5-9.9 us against CUTLASS's 10.0-10.2 (config 3), o_proj 6.8-7.3 against
 7.5 (config 1). The GEMV loses on the long shapes (gate_up 32.5 vs 30.6, down 18.3 vs 17.5, the
-70B o / gate_up / down projections 0.87-0.92x): on sm_90 ptxas lowers the e4m3 MMA to f16
-HMMA after unpacking both operands, and that unpacking caps it near 0.85-0.9 of HBM."""
+70B o / gate_up / down projections 0.87-0.92x). On sm_90 ptxas lowers the e4m3 MMA to f16
+HMMA (the SASS holds HMMA.16816.F32, no QGMMA), unpacking both operands first; that unpacking
+is the likely cap near 0.85-0.9 of HBM (not profiled)."""
 
 NUM_GEMV_CONFIGS = 5
 """Launch configurations compiled into the library (ids 0..4), see csrc/fp8_gemv.cu."""
@@ -163,8 +173,8 @@ def fits_gemv(
 
 
 def prefers_gemv(m: int, n: int, k: int) -> bool:
-    """True where the GEMV runs the per-channel GEMM: decode-sized M (at most GEMV_MAX_M) on a
-    shape GEMV_SHAPE_CONFIGS holds, unless V1ENGINE_FP8_GEMV=0."""
+    """True where the GEMV runs the per-channel GEMM: under V1ENGINE_FP8_GEMV=1, decode-sized M
+    (at most GEMV_MAX_M) on a shape GEMV_SHAPE_CONFIGS holds."""
     return GEMV_ENABLED and 1 <= m <= GEMV_MAX_M and (n, k) in GEMV_SHAPE_CONFIGS
 
 
