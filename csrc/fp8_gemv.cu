@@ -15,6 +15,10 @@
 // B, so no shuffle is needed and every load is a 16-byte vector. A warp streams 16 rows x 64
 // bytes per step; UNROLL steps are in flight before the first MMA waits on them.
 //
+// A launch configuration picks warps per block, steps in flight, and the grid: one block per
+// 16-row tile, or a persistent grid of one block per SM walking the tiles (CUTLASS's footprint
+// on the SMs, for the in-graph comparison of benchmarks/RESULTS.md "FP8 GEMV").
+//
 // The partial sums of the warps meet in shared memory; the block's first 16 x 8 threads add them,
 // apply the per-token / per-channel (or per-tensor) scales and the bias, and store.
 //
@@ -25,6 +29,7 @@
 #include <cuda_runtime.h>
 
 #include <cinttypes>
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 
@@ -113,73 +118,109 @@ __global__ void __launch_bounds__(kWarps * 32) fp8_gemv_kernel(GemvArgs args) {
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;  // weight rows g and g + 8; activation row (token) g
   const int t = lane & 3;   // which 16 bytes of the warp's 64-byte step
-  const int n0 = blockIdx.x * kRowsPerBlock;
-
-  const uint8_t* row_lo = args.b + static_cast<int64_t>(n0 + g) * args.ldb + t * 16;
-  const uint8_t* row_hi = row_lo + 8 * args.ldb;
   const bool has_token = g < args.m;
   const uint8_t* x_row = args.a + static_cast<int64_t>(has_token ? g : 0) * args.lda + t * 16;
-
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
   const int steps = args.k / kStepBytes;
-  for (int s0 = warp; s0 < steps; s0 += kWarps * kUnroll) {
-    uint4 lo[kUnroll], hi[kUnroll], x[kUnroll];
+  const int tiles = args.n / kRowsPerBlock;
+
+  // One tile of 16 rows per block, or (a persistent launch, fewer blocks than tiles) a block
+  // walks the tiles gridDim.x apart.
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int n0 = tile * kRowsPerBlock;
+    const uint8_t* row_lo = args.b + static_cast<int64_t>(n0 + g) * args.ldb + t * 16;
+    const uint8_t* row_hi = row_lo + 8 * args.ldb;
+
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s0 = warp; s0 < steps; s0 += kWarps * kUnroll) {
+      uint4 lo[kUnroll], hi[kUnroll], x[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int s = s0 + u * kWarps;
-      if (s < steps) {
-        const int64_t offset = static_cast<int64_t>(s) * kStepBytes;
-        lo[u] = load_stream(row_lo + offset);
-        hi[u] = load_stream(row_hi + offset);
-        x[u] = has_token ? load_cached(x_row + offset) : make_uint4(0, 0, 0, 0);
-      } else {
-        lo[u] = hi[u] = x[u] = make_uint4(0, 0, 0, 0);
+      for (int u = 0; u < kUnroll; ++u) {
+        const int s = s0 + u * kWarps;
+        if (s < steps) {
+          const int64_t offset = static_cast<int64_t>(s) * kStepBytes;
+          lo[u] = load_stream(row_lo + offset);
+          hi[u] = load_stream(row_hi + offset);
+          x[u] = has_token ? load_cached(x_row + offset) : make_uint4(0, 0, 0, 0);
+        } else {
+          lo[u] = hi[u] = x[u] = make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        // Bytes 0-7 of each lane's 16 feed one MMA (k = t*4.. and 16+t*4.. of its logical 32),
+        // bytes 8-15 the other; A and B see the same permutation of K.
+        mma_e4m3(acc, lo[u].x, hi[u].x, lo[u].y, hi[u].y, x[u].x, x[u].y);
+        mma_e4m3(acc, lo[u].z, hi[u].z, lo[u].w, hi[u].w, x[u].z, x[u].w);
       }
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      // Bytes 0-7 of each lane's 16 feed one MMA (k = t*4.. and 16+t*4.. of its logical 32),
-      // bytes 8-15 the other; A and B see the same permutation of K.
-      mma_e4m3(acc, lo[u].x, hi[u].x, lo[u].y, hi[u].y, x[u].x, x[u].y);
-      mma_e4m3(acc, lo[u].z, hi[u].z, lo[u].w, hi[u].w, x[u].z, x[u].w);
-    }
-  }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (args.trigger == 1) asm volatile("griddepcontrol.launch_dependents;");
+    // After the block's last main loop.
+    if (args.trigger == 1 && tile + static_cast<int>(gridDim.x) >= tiles) {
+      asm volatile("griddepcontrol.launch_dependents;");
+    }
 #endif
 
-  // Accumulator layout (m16n8 f32): acc[0], acc[1] at (row g, tokens 2t, 2t+1), acc[2], acc[3]
-  // at (row g + 8, the same tokens).
-  partial[warp][g][2 * t] = acc[0];
-  partial[warp][g][2 * t + 1] = acc[1];
-  partial[warp][g + 8][2 * t] = acc[2];
-  partial[warp][g + 8][2 * t + 1] = acc[3];
-  __syncthreads();
+    // Accumulator layout (m16n8 f32): acc[0], acc[1] at (row g, tokens 2t, 2t+1), acc[2],
+    // acc[3] at (row g + 8, the same tokens).
+    partial[warp][g][2 * t] = acc[0];
+    partial[warp][g][2 * t + 1] = acc[1];
+    partial[warp][g + 8][2 * t] = acc[2];
+    partial[warp][g + 8][2 * t + 1] = acc[3];
+    __syncthreads();
 
-  const int idx = threadIdx.x;
-  if (idx >= kRowsPerBlock * kMaxTokens) return;
-  const int row = idx / kMaxTokens;  // consecutive threads: one row's tokens
-  const int token = idx % kMaxTokens;
-  if (token >= args.m) return;
-  float sum = 0.f;
+    const int idx = threadIdx.x;
+    const int row = idx / kMaxTokens;  // consecutive threads: one row's tokens
+    const int token = idx % kMaxTokens;
+    if (idx < kRowsPerBlock * kMaxTokens && token < args.m) {
+      float sum = 0.f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) sum += partial[w][row][token];
-  const int col = n0 + row;
-  sum *= args.scale_a[args.scale_a_per_row ? token : 0] *
-         args.scale_b[args.scale_b_per_col ? col : 0];
-  Out* out = static_cast<Out*>(args.out);
-  if (args.bias != nullptr) sum += from_out<Out>(static_cast<const Out*>(args.bias)[col]);
-  out[static_cast<int64_t>(token) * args.n + col] = to_out<Out>(sum);
+      for (int w = 0; w < kWarps; ++w) sum += partial[w][row][token];
+      const int col = n0 + row;
+      sum *= args.scale_a[args.scale_a_per_row ? token : 0] *
+             args.scale_b[args.scale_b_per_col ? col : 0];
+      Out* out = static_cast<Out*>(args.out);
+      if (args.bias != nullptr) sum += from_out<Out>(static_cast<const Out*>(args.bias)[col]);
+      out[static_cast<int64_t>(token) * args.n + col] = to_out<Out>(sum);
+    }
+    __syncthreads();  // the next tile overwrites `partial`
+  }
 }
 
-// (warps per block, steps in flight per warp) of each configuration id.
-constexpr int kConfigs[][2] = {{4, 4}, {8, 4}, {4, 8}, {8, 2}, {16, 2}};
+// (warps per block, steps in flight per warp, blocks per SM) of each configuration id; 0 blocks
+// per SM launches one block per 16-row tile, n blocks per SM a persistent grid of n x SMs
+// blocks (at most one per tile) that walk the tiles.
+constexpr int kConfigs[][3] = {{4, 4, 0}, {8, 4, 0}, {4, 8, 0}, {8, 2, 0},
+                               {16, 2, 0}, {8, 4, 1}, {16, 2, 1}};
 constexpr int kNumConfigs = sizeof(kConfigs) / sizeof(kConfigs[0]);
+constexpr int kMaxDevices = 64;
 
-template <typename Out, int kWarps, int kUnroll>
+// The current device's SM count, cached per device (a driver query per launch would cost more
+// than the launch).
+cudaError_t sm_count(int* count) {
+  static int cached[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error != cudaSuccess) return error;
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (cached[device] == 0) {
+    error = cudaDeviceGetAttribute(&cached[device], cudaDevAttrMultiProcessorCount, device);
+    if (error != cudaSuccess) return error;
+  }
+  *count = cached[device];
+  return cudaSuccess;
+}
+
+template <typename Out, int kWarps, int kUnroll, int kBlocksPerSm>
 cudaError_t launch(const GemvArgs& args, int pdl, cudaStream_t stream) {
+  unsigned blocks = static_cast<unsigned>(args.n / kRowsPerBlock);
+  if (kBlocksPerSm > 0) {
+    int sms = 0;
+    const cudaError_t error = sm_count(&sms);
+    if (error != cudaSuccess) return error;
+    blocks = std::min(blocks, static_cast<unsigned>(sms * kBlocksPerSm));
+  }
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(args.n / kRowsPerBlock));
+  config.gridDim = dim3(blocks);
   config.blockDim = dim3(kWarps * 32);
   config.stream = stream;
   cudaLaunchAttribute attribute = {};
@@ -190,19 +231,28 @@ cudaError_t launch(const GemvArgs& args, int pdl, cudaStream_t stream) {
   return cudaLaunchKernelEx(&config, fp8_gemv_kernel<Out, kWarps, kUnroll>, args);
 }
 
+template <typename Out, int kId>
+cudaError_t launch_config(const GemvArgs& args, int pdl, cudaStream_t stream) {
+  return launch<Out, kConfigs[kId][0], kConfigs[kId][1], kConfigs[kId][2]>(args, pdl, stream);
+}
+
 template <typename Out>
 cudaError_t dispatch(const GemvArgs& args, int config, int pdl, cudaStream_t stream) {
   switch (config) {
     case 0:
-      return launch<Out, kConfigs[0][0], kConfigs[0][1]>(args, pdl, stream);
+      return launch_config<Out, 0>(args, pdl, stream);
     case 1:
-      return launch<Out, kConfigs[1][0], kConfigs[1][1]>(args, pdl, stream);
+      return launch_config<Out, 1>(args, pdl, stream);
     case 2:
-      return launch<Out, kConfigs[2][0], kConfigs[2][1]>(args, pdl, stream);
+      return launch_config<Out, 2>(args, pdl, stream);
     case 3:
-      return launch<Out, kConfigs[3][0], kConfigs[3][1]>(args, pdl, stream);
+      return launch_config<Out, 3>(args, pdl, stream);
+    case 4:
+      return launch_config<Out, 4>(args, pdl, stream);
+    case 5:
+      return launch_config<Out, 5>(args, pdl, stream);
     default:
-      return launch<Out, kConfigs[4][0], kConfigs[4][1]>(args, pdl, stream);
+      return launch_config<Out, 6>(args, pdl, stream);
   }
 }
 

@@ -79,8 +79,9 @@ GEMV"): Llama-3-8B qkv 9.5-9.9 us against CUTLASS's 10.0-10.2 (config 3), o_proj
 HMMA (the SASS holds HMMA.16816.F32, no QGMMA), unpacking both operands first; that unpacking
 is the likely cap near 0.85-0.9 of HBM (not profiled)."""
 
-NUM_GEMV_CONFIGS = 5
-"""Launch configurations compiled into the library (ids 0..4), see csrc/fp8_gemv.cu."""
+NUM_GEMV_CONFIGS = 7
+"""Launch configurations compiled into the library (ids 0..6; 5 and 6 persistent grids of one
+block per SM), see csrc/fp8_gemv.cu."""
 
 NUM_SCALED_MM_CONFIGS = 8
 """Tile configurations compiled into the library (ids 0..7), see csrc/scaled_mm_sm90.cuh."""
