@@ -9,31 +9,19 @@ Llama-3-8B heads at decode batch sizes, the cache identical and outputs within r
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+# On the CPU the kernels run under Triton's interpreter, which tests/conftest.py turns on
+# before any kernel module is imported.
 pytest.importorskip("triton")
-if not _CUDA:
-    for _name in (
-        "v1_engine.kernels.triton_rope",
-        "v1_engine.kernels.triton_cache",
-        "v1_engine.kernels.triton_attention",
-    ):
-        if _name in sys.modules:
-            importlib.reload(sys.modules[_name])
 
 from v1_engine.kernels import triton_attention as ta
 from v1_engine.kernels import triton_rope
 from v1_engine.kernels.triton_cache import quantize_and_cache
 from v1_engine.layers.rotary import RotaryEmbedding, compute_inv_freq
 
+_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if _CUDA else "cpu"
 
 

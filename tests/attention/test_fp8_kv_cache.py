@@ -9,22 +9,12 @@ costs. Without CUDA the Triton kernels run under the interpreter on tiny shapes.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    # Set before triton decorates the kernels: reload the modules if they came in earlier.
-    os.environ["TRITON_INTERPRET"] = "1"
+# On the CPU the kernels run under Triton's interpreter, which tests/conftest.py turns on
+# before any kernel module is imported.
 pytest.importorskip("triton")
-if not _CUDA:
-    for _name in ("v1_engine.kernels.triton_cache", "v1_engine.kernels.triton_attention"):
-        if _name in sys.modules:
-            importlib.reload(sys.modules[_name])
 
 from v1_engine.attention.backend import AttentionMetadata
 from v1_engine.attention.cpu import CPUAttentionBackend, causal_attention, gather_paged_kv
@@ -37,6 +27,7 @@ from v1_engine.layers.attention import Attention
 from v1_engine.layers.mla import MLAAttention
 from v1_engine.worker.kv_sizing import kv_bytes_per_block, resolve_kv_cache_dtype
 
+_CUDA = torch.cuda.is_available()
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
 
 

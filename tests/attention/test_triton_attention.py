@@ -8,21 +8,12 @@ unwritten element fails the comparison.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    # Must be set before triton is imported and the kernels are decorated: reload the module if
-    # it came in earlier.
-    os.environ["TRITON_INTERPRET"] = "1"
+# On the CPU the kernels run under Triton's interpreter, which tests/conftest.py turns on
+# before any kernel module is imported.
 pytest.importorskip("triton")
-if not _CUDA and "v1_engine.kernels.triton_attention" in sys.modules:
-    importlib.reload(sys.modules["v1_engine.kernels.triton_attention"])
 
 from v1_engine.attention.backend import AttentionMetadata
 from v1_engine.attention.cpu import CPUAttentionBackend, causal_attention, gather_paged_kv
@@ -30,6 +21,7 @@ from v1_engine.attention.selector import get_attn_backend
 from v1_engine.attention.triton_attn import TritonAttentionBackend
 from v1_engine.kernels import triton_attention as ta
 
+_CUDA = torch.cuda.is_available()
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
 
 

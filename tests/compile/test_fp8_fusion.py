@@ -11,10 +11,6 @@ the unfused ops on model shapes within the same bound.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
@@ -34,12 +30,6 @@ from v1_engine.layers.norm import RMSNorm
 from v1_engine.models.loader import get_model, load_hf_config
 
 _CUDA = torch.cuda.is_available()
-if not _CUDA:
-    # Must be set before triton is imported and the kernels are decorated.
-    os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("v1_engine.kernels.triton_quant", "v1_engine.kernels.triton_fused_quant"):
-        if _name in sys.modules:
-            importlib.reload(sys.modules[_name])
 
 E4M3_STEP = 2.0**-3
 """Spacing of e4m3 values relative to their magnitude, at most (3 mantissa bits)."""

@@ -8,25 +8,18 @@ missed slot or a write for a padding token shows up.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    # Set before triton decorates the kernels: reload the module if it was imported earlier.
-    os.environ["TRITON_INTERPRET"] = "1"
+# On the CPU the kernels run under Triton's interpreter, which tests/conftest.py turns on
+# before any kernel module is imported.
 pytest.importorskip("triton")
-if not _CUDA and "v1_engine.kernels.triton_cache" in sys.modules:
-    importlib.reload(sys.modules["v1_engine.kernels.triton_cache"])
 
 from v1_engine.kernels.cache_ops import dequantize_fp8, quantize_fp8, write_to_kv_cache
 from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from v1_engine.kernels.triton_cache import quantize_and_cache
 
+_CUDA = torch.cuda.is_available()
 E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
 E4M3_VALUES = E4M3_VALUES[~E4M3_VALUES.isnan()]
 WRITERS = pytest.mark.parametrize(

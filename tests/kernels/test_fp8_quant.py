@@ -7,20 +7,8 @@ Without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1) o
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
-
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    # Must be set before triton is imported and the kernels are decorated.
-    os.environ["TRITON_INTERPRET"] = "1"
-    if "v1_engine.kernels.triton_quant" in sys.modules:
-        importlib.reload(sys.modules["v1_engine.kernels.triton_quant"])
-
 import triton
 import triton.language as tl
 
@@ -28,6 +16,7 @@ from v1_engine.kernels import fp8
 from v1_engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 from v1_engine.kernels.triton_quant import _quantize_to_fp8
 
+_CUDA = torch.cuda.is_available()
 E4M3_HALF_ULP = 2.0**-4  # 3 mantissa bits: rounding error <= 1/16 relative in the normal range
 E4M3_MIN_NORMAL = 2.0**-6
 

@@ -5,25 +5,16 @@ split-K, the semaphores), on the device with CUDA (the Llama-3-8B shapes, CUDA g
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    # Must be set before triton is imported and the kernels are decorated.
-    os.environ["TRITON_INTERPRET"] = "1"
-    for name in ("v1_engine.kernels.triton_gemv", "v1_engine.kernels.skinny_epilogues"):
-        if name in sys.modules:
-            importlib.reload(sys.modules[name])
-
 from compile.passes.fused_ops import fused_add_rms_norm_ref, silu_and_mul_ref
 from v1_engine.kernels import semaphores
 
+_CUDA = torch.cuda.is_available()
+# On the CPU the kernels run under Triton's interpreter, which tests/conftest.py turns on
+# before any kernel module is imported.
 triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
 epilogues = pytest.importorskip("v1_engine.kernels.skinny_epilogues")
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")

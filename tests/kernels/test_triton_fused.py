@@ -3,27 +3,14 @@ the fused ops' PyTorch references: under the interpreter on CPU, on the device w
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    # Must be set before triton is imported and the kernels are decorated.
-    os.environ["TRITON_INTERPRET"] = "1"
-    for _name in (
-        "v1_engine.kernels.triton_quant",
-        "v1_engine.kernels.triton_fused_quant",
-        "v1_engine.kernels.triton_fused",
-    ):
-        if _name in sys.modules:
-            importlib.reload(sys.modules[_name])
-
 from compile.passes import fused_ops
 
+_CUDA = torch.cuda.is_available()
+# On the CPU the kernels run under Triton's interpreter, which tests/conftest.py turns on
+# before any kernel module is imported.
 triton_fused = pytest.importorskip("v1_engine.kernels.triton_fused")
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
 

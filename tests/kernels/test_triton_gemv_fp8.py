@@ -11,25 +11,17 @@ its sums float32, so the two differ by float32 summation order and one rounding 
 from __future__ import annotations
 
 import functools
-import importlib
-import os
-import sys
 
 import pytest
 import torch
-
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    # Must be set before triton is imported and the kernels are decorated.
-    os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("v1_engine.kernels.triton_gemv", "v1_engine.kernels.triton_gemv_fp8"):
-        if _name in sys.modules:
-            importlib.reload(sys.modules[_name])
 
 from v1_engine.kernels import fp8, semaphores
 from v1_engine.kernels.fp8 import FP8_DTYPE
 from v1_engine.layers.quantization.fp8_moe import quantize_matrix_block_fp8
 
+_CUDA = torch.cuda.is_available()
+# On the CPU the kernels run under Triton's interpreter, which tests/conftest.py turns on
+# before any kernel module is imported.
 triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
 skinny = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8")
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")

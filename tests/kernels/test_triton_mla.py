@@ -12,21 +12,12 @@ unwritten element fails the comparison.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+# On the CPU the kernels run under Triton's interpreter, which tests/conftest.py turns on
+# before any kernel module is imported.
 pytest.importorskip("triton")
-if not _CUDA:  # the MLA kernel calls triton_attention's split_tile_range: both interpreted
-    for _name in ("v1_engine.kernels.triton_attention", "v1_engine.kernels.triton_mla"):
-        if _name in sys.modules:
-            importlib.reload(sys.modules[_name])
 
 from v1_engine.attention.backend import AttentionMetadata
 from v1_engine.attention.mla_cpu import CPUMLABackend
@@ -36,6 +27,7 @@ from v1_engine.kernels import semaphores
 from v1_engine.kernels.triton_cache import write_latent_cache
 from v1_engine.kernels.triton_mla import choose_num_splits, mla_decode
 
+_CUDA = torch.cuda.is_available()
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
 DEVICE = "cuda" if _CUDA else "cpu"
 

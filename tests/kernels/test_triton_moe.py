@@ -9,20 +9,13 @@ plain dequantized weights (loose: the activation quantization error).
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-_CUDA = torch.cuda.is_available()
-if not _CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+# On the CPU the kernels run under Triton's interpreter, which tests/conftest.py turns on
+# before any kernel module is imported.
 pytest.importorskip("triton")
-if not _CUDA and "v1_engine.kernels.triton_moe" in sys.modules:
-    importlib.reload(sys.modules["v1_engine.kernels.triton_moe"])
 
 from v1_engine.kernels import triton_moe
 from v1_engine.kernels.fp8 import per_token_group_fp8_quant_ref
@@ -35,6 +28,7 @@ from v1_engine.kernels.triton_moe import (
 )
 from v1_engine.layers.moe import dequantize_block_fp8, fused_experts_reference
 
+_CUDA = torch.cuda.is_available()
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
 DEVICE = "cuda" if _CUDA else "cpu"
 
