@@ -54,7 +54,8 @@ on the GEMV kernel; off by default. Alone (a CUDA graph of ten calls) the GEMV b
 on those shapes, but inside the engine's decode graph, with programmatic dependent launch on,
 each GEMV call costs about 5 us more than the CUTLASS call it replaces: Llama-3-8B FP8 batch 1
 went 2.65 -> 2.97 ms a step with it on qkv and o_proj (2.80-2.83 with either one alone), and
-none of the GEMV_PDL_MODE settings closed the gap (2.92-3.02 launched with PDL, 2.80 without).
+none of the GEMV_PDL_MODE settings closed the gap (2.92-3.02 launched with PDL, 2.80 without),
+nor a persistent grid of one block per SM (configs 5 / 6: 2.975).
 With PDL off everywhere it does win: 3.001 -> 2.949 ms (benchmarks/RESULTS.md, "FP8 GEMV").
 Not found yet: why its early-launched programs cost more than CUTLASS's."""
 
