@@ -124,7 +124,6 @@ def scaled_mm_cutlass(
     config: int | None = None,
 ) -> torch.Tensor:
     """The CUTLASS per-tensor/per-channel GEMM; `config` overrides the dispatch table (tuning)."""
-    lib = _library()
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
     out = a.new_empty((m, n), dtype=out_dtype)
     if m == 0:
@@ -133,9 +132,28 @@ def scaled_mm_cutlass(
         config = scaled_mm_config(m, n, k)
     elif not 0 <= config < NUM_SCALED_MM_CONFIGS:
         raise ValueError(f"config must be in [0, {NUM_SCALED_MM_CONFIGS}), got {config}")
+    return _launch_scaled_mm(
+        "v1e_scaled_mm", out, a, b, scale_a, scale_b, bias, config, int(use_pdl(out.device))
+    )
+
+
+def _launch_scaled_mm(
+    entry_point: str,
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: int,
+    pdl: int,
+) -> torch.Tensor:
+    """Calls `v1e_scaled_mm` or `v1e_fp8_gemv` (one signature) into `out`; raises on failure."""
+    lib = _library()
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
     scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
     with torch.cuda.device(a.device):
-        code = lib.v1e_scaled_mm(
+        code = getattr(lib, entry_point)(
             out.data_ptr(),
             a.data_ptr(),
             b.data_ptr(),
@@ -149,12 +167,12 @@ def scaled_mm_cutlass(
             b.stride(0) if n > 1 else k,
             int(scale_a.numel() != 1),
             int(scale_b.numel() != 1),
-            _C.DTYPE_CODES[out_dtype],
+            _C.DTYPE_CODES[out.dtype],
             config,
-            int(use_pdl(out.device)),
+            pdl,
             torch.cuda.current_stream().cuda_stream,
         )
-    check_gemm_status(lib, code, "v1e_scaled_mm")
+    check_gemm_status(lib, code, entry_point)
     return out
 
 
@@ -191,36 +209,14 @@ def scaled_mm_gemv(
 ) -> torch.Tensor:
     """The decode-sized GEMV (csrc/fp8_gemv.cu) for operands `fits_gemv` accepts; `config`
     overrides GEMV_SHAPE_CONFIGS (tuning; config 0 for a shape it does not hold)."""
-    lib = _library()
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
     out = a.new_empty((m, n), dtype=out_dtype)
     if config is None:
         config = GEMV_SHAPE_CONFIGS.get((n, k), 0)
     elif not 0 <= config < NUM_GEMV_CONFIGS:
         raise ValueError(f"config must be in [0, {NUM_GEMV_CONFIGS}), got {config}")
-    scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
-    with torch.cuda.device(a.device):
-        code = lib.v1e_fp8_gemv(
-            out.data_ptr(),
-            a.data_ptr(),
-            b.data_ptr(),
-            scale_a.data_ptr(),
-            scale_b.data_ptr(),
-            0 if bias is None else bias.data_ptr(),
-            m,
-            n,
-            k,
-            a.stride(0) if m > 1 else k,
-            b.stride(0) if n > 1 else k,
-            int(scale_a.numel() != 1),
-            int(scale_b.numel() != 1),
-            _C.DTYPE_CODES[out_dtype],
-            config,
-            GEMV_PDL_MODE if use_pdl(out.device) else 0,
-            torch.cuda.current_stream().cuda_stream,
-        )
-    check_gemm_status(lib, code, "v1e_fp8_gemv")
-    return out
+    pdl = GEMV_PDL_MODE if use_pdl(out.device) else 0
+    return _launch_scaled_mm("v1e_fp8_gemv", out, a, b, scale_a, scale_b, bias, config, pdl)
 
 
 def block_scaled_mm_cutlass(
