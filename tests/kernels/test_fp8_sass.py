@@ -44,3 +44,25 @@ def test_every_cutlass_gemm_kernel_has_qgmma() -> None:
     assert len(gemms) == expected, sorted(gemms)
     without_qgmma = [name for name, body in gemms.items() if "QGMMA" not in body]
     assert not without_qgmma, without_qgmma
+
+
+# The GEMV's distinct kernels: (warps, steps in flight) pairs of csrc/fp8_gemv.cu's kConfigs
+# (its two persistent configurations reuse the (8, 4) and (16, 2) kernels), per output dtype.
+NUM_GEMV_KERNELS_PER_DTYPE = 5
+
+
+def test_every_fp8_gemv_kernel_has_tensor_core_mma() -> None:
+    """csrc/fp8_gemv.cu guards its e4m3 MMA by architecture: a build for an older target would
+    compile it away and leave kernels that return zeros. On sm_90 ptxas lowers it to HMMA."""
+    lib = _C.load_library()
+    if lib is None:
+        pytest.skip("libv1engine_kernels.so was not built (no nvcc)")
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("no cuobjdump installed")
+
+    functions = sass_by_function(cuobjdump, str(_C.library_path()))
+    gemvs = {name: body for name, body in functions.items() if "fp8_gemv_kernel" in name}
+    assert len(gemvs) == NUM_OUTPUT_DTYPES * NUM_GEMV_KERNELS_PER_DTYPE, sorted(gemvs)
+    without_mma = [name for name, body in gemvs.items() if "HMMA" not in body]
+    assert not without_mma, without_mma
