@@ -9,7 +9,7 @@ GEMV_SHAPE_CONFIGS table (kernels/fp8_cutlass.py): the shapes where one configur
 CUTLASS by at least 3% at every M swept.
 
     python benchmarks/benchmark_fp8_gemv.py
-    python benchmarks/benchmark_fp8_gemv.py --m 1 --shapes qkv,o_proj --pdl
+    V1ENGINE_PDL=0 python benchmarks/benchmark_fp8_gemv.py --m 1 --shapes qkv,o_proj
 """
 
 from __future__ import annotations

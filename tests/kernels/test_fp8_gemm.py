@@ -327,16 +327,18 @@ def test_block_scaled_mm_matches_ref_gpu(m: int, n: int, k: int, out_dtype: torc
     )
 
 
-@pytest.mark.gpu
-def test_scaled_mm_replays_in_a_cuda_graph_gpu() -> None:
-    _, b, _, sb = gpu_case(8, 4096, 4096, seed=30)
-    # Activations from seeds no operand of gpu_case(seed=30) uses (30..33): with b's seed the
-    # rows of x would equal rows of b / 100, the diagonal of x @ b.T would sum 4096 positive
-    # squares, and the kernel's FP8 fast accumulation (no fp32 promotion inside the K loop) runs
-    # a few percent low on such a sum, which is not what this test is about.
-    x = torch.randn(8, 4096, generator=torch.Generator().manual_seed(130)).to(
-        "cuda", torch.bfloat16
-    )
+def assert_quant_gemm_replays(
+    b: torch.Tensor, sb: torch.Tensor, rows: int, seeds: tuple[int, ...]
+) -> None:
+    """Captures per-token quant + scaled_mm of x [rows, K] (from seeds[0]) against b in a CUDA
+    graph, then replays it on new x from each later seed: the quantization bit for bit as the
+    reference quantizes the new x, the GEMM close to the reference on it."""
+
+    def activations(seed: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(rows, b.shape[1], generator=gen).to("cuda", torch.bfloat16)
+
+    x = activations(seeds[0])
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up (first-call setup) outside the capture
@@ -347,14 +349,24 @@ def test_scaled_mm_replays_in_a_cuda_graph_gpu() -> None:
     with torch.cuda.graph(graph):
         qx, sx = fp8.per_token_fp8_quant(x)
         out = fp8.scaled_mm(qx, b, sx, sb, torch.bfloat16)
-    for seed in (131, 132):
-        x.copy_(torch.randn(8, 4096, generator=torch.Generator().manual_seed(seed)).cuda())
+    for seed in seeds[1:]:
+        x.copy_(activations(seed))
         graph.replay()
         qx_ref, sx_ref = fp8.per_token_fp8_quant_ref(x)
         # The replayed quantization saw the new x, bit for bit as the reference quantizes it.
         assert torch.equal(qx.view(torch.uint8), qx_ref.view(torch.uint8))
         assert torch.equal(sx, sx_ref)
         assert_gemm_close(out, fp8.scaled_mm_ref(qx_ref, b, sx_ref, sb, torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_scaled_mm_replays_in_a_cuda_graph_gpu() -> None:
+    _, b, _, sb = gpu_case(8, 4096, 4096, seed=30)
+    # Activations from seeds no operand of gpu_case(seed=30) uses (30..33): with b's seed the
+    # rows of x would equal rows of b / 100, the diagonal of x @ b.T would sum 4096 positive
+    # squares, and the kernel's FP8 fast accumulation (no fp32 promotion inside the K loop) runs
+    # a few percent low on such a sum, which is not what this test is about.
+    assert_quant_gemm_replays(b, sb, 8, (130, 131, 132))
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ import ctypes
 
 import pytest
 import torch
-from test_fp8_gemm import assert_gemm_close, random_fp8, random_scales
+from test_fp8_gemm import assert_gemm_close, assert_quant_gemm_replays, random_fp8, random_scales
 
 from v1_engine.kernels import _C, fp8, fp8_cutlass
 from v1_engine.kernels.fp8 import FP8_DTYPE
@@ -198,21 +198,4 @@ def test_scaled_mm_op_runs_the_gemv_for_decode_rows_gpu(monkeypatch: pytest.Monk
 def test_gemv_replays_in_a_cuda_graph_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fp8_cutlass, "GEMV_ENABLED", True)  # the op dispatches to the GEMV
     _, b, _, sb = _case(4, 6144, 4096, seed=80)
-    x = torch.randn(4, 4096, generator=torch.Generator().manual_seed(180)).to(
-        "cuda", torch.bfloat16
-    )
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        qx, sx = fp8.per_token_fp8_quant(x)
-        fp8.scaled_mm(qx, b, sx, sb, torch.bfloat16)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        qx, sx = fp8.per_token_fp8_quant(x)
-        out = fp8.scaled_mm(qx, b, sx, sb, torch.bfloat16)
-    for seed in (181, 182):
-        x.copy_(torch.randn(4, 4096, generator=torch.Generator().manual_seed(seed)).cuda())
-        graph.replay()
-        qx_ref, sx_ref = fp8.per_token_fp8_quant_ref(x)
-        assert_gemm_close(out, fp8.scaled_mm_ref(qx_ref, b, sx_ref, sb, torch.bfloat16))
+    assert_quant_gemm_replays(b, sb, 4, (180, 181, 182))

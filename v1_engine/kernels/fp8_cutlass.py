@@ -73,8 +73,8 @@ GEMV_SHAPE_CONFIGS: dict[tuple[int, int], int] = {
 }
 """(N, K) -> launch configuration of csrc/fp8_gemv.cu (warps per block, loads in flight) for
 the shapes where the GEMV beat CUTLASS by at least 3% at every M in 1..8 (taken only under
-GEMV_ENABLED); other shapes stay on CUTLASS. `python benchmarks/benchmark_fp8_gemv.py` on the H200 (benchmarks/RESULTS.md, "FP8
-GEMV"): Llama-3-8B qkv 9.5-9.9 us against CUTLASS's 10.0-10.2 (config 3), o_proj 6.8-7.3 against
+GEMV_ENABLED); other shapes stay on CUTLASS. `python benchmarks/benchmark_fp8_gemv.py` on the
+H200 (benchmarks/RESULTS.md, "FP8 GEMV"): Llama-3-8B qkv 9.5-9.9 us against CUTLASS's 10.0-10.2 (config 3), o_proj 6.8-7.3 against
 7.5 (config 1). The GEMV loses on the long shapes (gate_up 32.5 vs 30.6, down 18.3 vs 17.5, the
 70B o / gate_up / down projections 0.87-0.92x). On sm_90 ptxas lowers the e4m3 MMA to f16
 HMMA (the SASS holds HMMA.16816.F32, no QGMMA), unpacking both operands first; that unpacking
