@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "gemm_sm90.h"
 #include "scaled_mm.h"
 #include "v1engine_kernels.h"
 
@@ -83,6 +84,36 @@ int check_problem(const char* what, const void* out, const void* a, const void* 
   }
   if (!aligned16(out) || !aligned16(a) || !aligned16(b)) {
     return set_error("%s: out (%p), a (%p) and b (%p) must be 16-byte aligned", what, out, a, b);
+  }
+  return cudaSuccess;
+}
+
+// The arguments of v1e_gemm / v1e_gemm_workspace_size; records the first violated requirement.
+int check_gemm(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int config,
+               int decomposition, int splits) {
+  using v1e::set_error;
+  constexpr int64_t kTmaBf16 = 8;  // 16-byte rows of bf16
+  if (m <= 0 || n <= 0 || k <= 0 || m > INT_MAX || n > INT_MAX || k > INT_MAX) {
+    return set_error("v1e_gemm: m, n, k must be in [1, INT_MAX], got m=%" PRId64 " n=%" PRId64
+                     " k=%" PRId64, m, n, k);
+  }
+  if (n % kTmaBf16 != 0 || k % kTmaBf16 != 0) {
+    return set_error("v1e_gemm: n (%" PRId64 ") and k (%" PRId64 ") must be multiples of 8 (TMA)",
+                     n, k);
+  }
+  if (lda < k || ldb < k || lda % kTmaBf16 != 0 || ldb % kTmaBf16 != 0) {
+    return set_error("v1e_gemm: lda (%" PRId64 ") and ldb (%" PRId64 ") must be >= k (%" PRId64
+                     ") and multiples of 8", lda, ldb, k);
+  }
+  if (config < 0 || config >= v1e::kNumGemmConfigs) {
+    return set_error("v1e_gemm: config %d is outside [0, %d)", config, v1e::kNumGemmConfigs);
+  }
+  if (decomposition < 0 || decomposition >= v1e::kNumGemmDecompositions) {
+    return set_error("v1e_gemm: decomposition %d is outside [0, %d) (0 heuristic, 1 stream-K, "
+                     "2 split-K, 3 data-parallel)", decomposition, v1e::kNumGemmDecompositions);
+  }
+  if (decomposition == v1e::kGemmSplitK && splits < 1) {
+    return set_error("v1e_gemm: split-K needs splits >= 1, got %d", splits);
   }
   return cudaSuccess;
 }
@@ -214,6 +245,76 @@ int v1e_block_scaled_mm(void* out, const void* a, const void* b, const float* sc
     return dispatch_block_scaled_mm<V1E_DTYPE_BFLOAT16>(params);
   }
   return dispatch_block_scaled_mm<V1E_DTYPE_FLOAT16>(params);
+#else
+  (void)pdl;
+  (void)stream;
+  v1e::set_error("the library was built without the CUTLASS headers");
+  return cudaErrorNotSupported;
+#endif
+}
+
+int v1e_gemm_num_configs(void) { return v1e::kNumGemmConfigs; }
+
+int v1e_gemm_workspace_size(int64_t m, int64_t n, int64_t k, int config, int decomposition,
+                            int splits, int64_t* bytes) {
+  last_error[0] = '\0';
+  if (bytes == nullptr) return v1e::set_error("v1e_gemm_workspace_size: bytes must not be null");
+  const int status = check_gemm(m, n, k, k, k, config, decomposition, splits);
+  if (status != cudaSuccess) return status;
+#ifdef V1E_WITH_CUTLASS
+  v1e::GemmParams params{};
+  params.m = m;
+  params.n = n;
+  params.k = k;
+  params.lda = params.ldb = k;
+  params.decomposition = decomposition;
+  params.splits = splits;
+  const cudaError_t error = current_device(&params.device, &params.sm_count);
+  if (error != cudaSuccess) {
+    v1e::set_error("cannot query the current device: %s", cudaGetErrorString(error));
+    return error;
+  }
+  size_t size = 0;
+  const int result = v1e::gemm_workspace_size(params, config, &size);
+  *bytes = static_cast<int64_t>(size);
+  return result;
+#else
+  v1e::set_error("the library was built without the CUTLASS headers");
+  return cudaErrorNotSupported;
+#endif
+}
+
+int v1e_gemm(void* out, const void* a, const void* b, int64_t m, int64_t n, int64_t k,
+             int64_t lda, int64_t ldb, int dtype, int config, int decomposition, int splits,
+             void* workspace, int64_t workspace_bytes, int pdl, void* stream) {
+  last_error[0] = '\0';
+  if (out == nullptr || a == nullptr || b == nullptr) {
+    return v1e::set_error("v1e_gemm: out, a and b must not be null");
+  }
+  if (dtype != V1E_DTYPE_BFLOAT16) {
+    return v1e::set_error("v1e_gemm: dtype code %d is not bfloat16 (%d), the one type it has",
+                          dtype, V1E_DTYPE_BFLOAT16);
+  }
+  const int status = check_gemm(m, n, k, lda, ldb, config, decomposition, splits);
+  if (status != cudaSuccess) return status;
+  if (!aligned16(out) || !aligned16(a) || !aligned16(b) || !aligned16(workspace)) {
+    return v1e::set_error("v1e_gemm: out (%p), a (%p), b (%p) and workspace (%p) must be "
+                          "16-byte aligned", out, a, b, workspace);
+  }
+  if (workspace_bytes < 0 || (workspace_bytes > 0 && workspace == nullptr)) {
+    return v1e::set_error("v1e_gemm: workspace_bytes (%" PRId64 ") must be >= 0, and the "
+                          "workspace not null when it is > 0", workspace_bytes);
+  }
+#ifdef V1E_WITH_CUTLASS
+  v1e::GemmParams params{out, a, b, m, n, k, lda, ldb, decomposition, splits, workspace,
+                         static_cast<size_t>(workspace_bytes), 0, 0,
+                         static_cast<cudaStream_t>(stream), pdl != 0};
+  const cudaError_t error = current_device(&params.device, &params.sm_count);
+  if (error != cudaSuccess) {
+    v1e::set_error("cannot query the current device: %s", cudaGetErrorString(error));
+    return error;
+  }
+  return v1e::gemm_run(params, config);
 #else
   (void)pdl;
   (void)stream;

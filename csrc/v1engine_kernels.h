@@ -14,7 +14,7 @@
 
 #include <stdint.h>
 
-#define V1E_ABI_VERSION 6
+#define V1E_ABI_VERSION 7
 
 #if defined(_WIN32)
 #define V1E_API __declspec(dllexport)
@@ -129,6 +129,32 @@ V1E_API int v1e_fp8_gemv(void* out, const void* a, const void* b, const float* s
                          const float* scale_b, const void* bias, int64_t m, int64_t n, int64_t k,
                          int64_t lda, int64_t ldb, int scale_a_per_row, int scale_b_per_col,
                          int out_dtype, int config, int pdl, void* stream);
+
+/* Number of tile configurations v1e_gemm accepts (config ids 0 .. n-1). */
+V1E_API int v1e_gemm_num_configs(void);
+
+/*
+ * The workspace v1e_gemm needs for an m x n x k problem with this config and decomposition, in
+ * *bytes (0 when no tile is split). Failures are recorded for v1e_fp8_gemm_error().
+ */
+V1E_API int v1e_gemm_workspace_size(int64_t m, int64_t n, int64_t k, int config,
+                                    int decomposition, int splits, int64_t* bytes);
+
+/*
+ * out[M, N] = a[M, K] @ b[N, K]^T in bf16 with fp32 accumulation, for decode-sized M: CUTLASS
+ * cooperative TMA kernels with a stream-K tile scheduler, the weight b as the 128-row tile
+ * (csrc/gemm_sm90.cu). out [M, N] dense; a rows lda apart, b rows ldb apart, K contiguous;
+ * n, k, lda, ldb multiples of 8; out, a, b, workspace 16-byte aligned. config in
+ * [0, v1e_gemm_num_configs()); decomposition 0 heuristic, 1 stream-K, 2 split-K into `splits`
+ * slices, 3 data-parallel. workspace: at least v1e_gemm_workspace_size bytes, ZEROED ONCE by
+ * its owner before its first use; each call leaves it zero again, so calls ordered on one
+ * stream may share it, concurrent calls may not. pdl as v1e_scaled_mm. Failures are recorded
+ * for v1e_fp8_gemm_error().
+ */
+V1E_API int v1e_gemm(void* out, const void* a, const void* b, int64_t m, int64_t n, int64_t k,
+                     int64_t lda, int64_t ldb, int dtype, int config, int decomposition,
+                     int splits, void* workspace, int64_t workspace_bytes, int pdl,
+                     void* stream);
 
 #ifdef __cplusplus
 }

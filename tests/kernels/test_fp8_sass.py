@@ -1,4 +1,5 @@
-"""Every CUTLASS FP8 GEMM kernel in the built library carries Hopper FP8 tensor-core code (QGMMA).
+"""Every CUTLASS GEMM kernel in the built library carries Hopper tensor-core code: FP8 (QGMMA) in the
+FP8 GEMMs, bf16 (HGMMA) in the bf16 stream-K GEMM.
 
 Targeting plain sm_90 instead of sm_90a compiles without complaint but stubs the wgmma bodies
 out; this catches that (and any kernel whose mainloop was compiled away). Skipped where the
@@ -40,10 +41,17 @@ def test_every_cutlass_gemm_kernel_has_qgmma() -> None:
 
     functions = sass_by_function(cuobjdump, str(_C.library_path()))
     gemms = {name: body for name, body in functions.items() if "GemmUniversal" in name}
+    # The bf16 GEMM's kernels (csrc/gemm_sm90.cu) live in namespace v1e::sm90_gemm.
+    bf16 = {name: body for name, body in gemms.items() if "9sm90_gemm" in name}
+    fp8 = {name: body for name, body in gemms.items() if name not in bf16}
     expected = NUM_OUTPUT_DTYPES * (lib.v1e_scaled_mm_num_configs() + NUM_BLOCK_SCALED_CONFIGS)
-    assert len(gemms) == expected, sorted(gemms)
-    without_qgmma = [name for name, body in gemms.items() if "QGMMA" not in body]
+    assert len(fp8) == expected, sorted(fp8)
+    without_qgmma = [name for name, body in fp8.items() if "QGMMA" not in body]
     assert not without_qgmma, without_qgmma
+    # The bf16 GEMM: one kernel per tile configuration, each on bf16 wgmma (HGMMA).
+    assert len(bf16) == lib.v1e_gemm_num_configs(), sorted(bf16)
+    without_hgmma = [name for name, body in bf16.items() if "HGMMA" not in body]
+    assert not without_hgmma, without_hgmma
 
 
 # The GEMV's distinct kernels: (warps, steps in flight) pairs of csrc/fp8_gemv.cu's kConfigs

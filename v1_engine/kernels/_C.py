@@ -17,7 +17,7 @@ import torch
 
 LIBRARY_FILENAME = "libv1engine_kernels.so"
 LIBRARY_ENV_VAR = "V1ENGINE_KERNELS_LIB"
-ABI_VERSION = 6
+ABI_VERSION = 7
 """Must equal V1E_ABI_VERSION in csrc/v1engine_kernels.h."""
 
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -133,6 +133,38 @@ def _declare_fp8_gemm_signatures(lib: ctypes.CDLL) -> None:
         _ptr,  # cudaStream_t
     ]
     lib.v1e_block_scaled_mm.restype = ctypes.c_int
+    # The bf16 stream-K GEMM for decode-sized M (csrc/gemm_sm90.cu).
+    lib.v1e_gemm_num_configs.argtypes = []
+    lib.v1e_gemm_num_configs.restype = ctypes.c_int
+    lib.v1e_gemm_workspace_size.argtypes = [
+        _i64,  # m
+        _i64,  # n
+        _i64,  # k
+        ctypes.c_int,  # tile configuration id
+        ctypes.c_int,  # decomposition (0 heuristic, 1 stream-K, 2 split-K, 3 data-parallel)
+        ctypes.c_int,  # splits (split-K)
+        ctypes.POINTER(_i64),  # bytes (out)
+    ]
+    lib.v1e_gemm_workspace_size.restype = ctypes.c_int
+    lib.v1e_gemm.argtypes = [
+        _ptr,  # out [M, N]
+        _ptr,  # a [M, K] (the activation)
+        _ptr,  # b [N, K] (the weight)
+        _i64,  # m
+        _i64,  # n
+        _i64,  # k
+        _i64,  # lda (elements)
+        _i64,  # ldb (elements)
+        ctypes.c_int,  # dtype code
+        ctypes.c_int,  # tile configuration id
+        ctypes.c_int,  # decomposition
+        ctypes.c_int,  # splits
+        _ptr,  # workspace (zeroed once by its owner)
+        _i64,  # workspace bytes
+        ctypes.c_int,  # pdl (programmatic dependent launch)
+        _ptr,  # cudaStream_t
+    ]
+    lib.v1e_gemm.restype = ctypes.c_int
 
 
 def check_status(lib: ctypes.CDLL, code: int, entry_point: str) -> None:

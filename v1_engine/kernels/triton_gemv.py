@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from v1_engine.kernels import interpreting
+from v1_engine.kernels import gemm_cutlass, interpreting
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
 from v1_engine.kernels.skinny_tuned import TUNED_LAUNCH
@@ -565,7 +565,10 @@ def _skinny_linear(
 def skinny_linear_cuda(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The op's CUDA body (real tensors, so branching on M is free here)."""
+    """The op's CUDA body (real tensors, so branching on M is free here): the CUTLASS stream-K
+    GEMM or the skinny kernel where measured faster (their tables), F.linear otherwise."""
+    if gemm_cutlass.prefers(x.shape[0], *weight.shape) and gemm_cutlass.fits(x, weight, bias):
+        return gemm_cutlass.gemm(x, weight)
     if fits_skinny(x, weight, bias) and prefers_skinny(x.shape[0], *weight.shape):
         return skinny_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
