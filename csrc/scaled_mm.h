@@ -12,7 +12,7 @@ namespace v1e {
 
 // Tile configurations of the per-tensor / per-channel GEMM (ids of v1e_scaled_mm's `config`).
 // The table of which id serves which M lives on the Python side (fp8.SCALED_MM_DISPATCH).
-constexpr int kNumScaledMmConfigs = 8;
+constexpr int kNumScaledMmConfigs = 10;
 // Configurations of the block-scaled GEMM, picked here by M (64-row tiles for small M).
 constexpr int kNumBlockScaledConfigs = 2;
 constexpr int kBlockScaledSmallMMax = 64;
@@ -36,6 +36,11 @@ struct ScaledMmParams {
   int sm_count;
   cudaStream_t stream;
   bool pdl;  // launch with programmatic dependent launch
+  // Stream-K configurations: the workspace (zeroed once by its owner, left zero by each call).
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  // When set, nothing is launched: the configuration's workspace size is stored here.
+  size_t* workspace_query = nullptr;
 };
 
 struct BlockScaledMmParams {

@@ -139,6 +139,10 @@ int dispatch_scaled_mm(const v1e::ScaledMmParams& params, int config) {
       return v1e::scaled_mm_run<kDtype, 6>(params);
     case 7:
       return v1e::scaled_mm_run<kDtype, 7>(params);
+    case 8:
+      return v1e::scaled_mm_run<kDtype, 8>(params);
+    case 9:
+      return v1e::scaled_mm_run<kDtype, 9>(params);
     default:
       return v1e::set_error("v1e_scaled_mm: config %d has no kernel", config);
   }
@@ -170,10 +174,46 @@ int v1e_scaled_mm_num_configs(void) { return v1e::kNumScaledMmConfigs; }
 
 const char* v1e_fp8_gemm_error(void) { return last_error; }
 
+int v1e_scaled_mm_workspace_size(int64_t m, int64_t n, int64_t k, int out_dtype, int config,
+                                 int64_t* bytes) {
+  last_error[0] = '\0';
+  if (bytes == nullptr) {
+    return v1e::set_error("v1e_scaled_mm_workspace_size: bytes must not be null");
+  }
+  // Fake aligned operands: only the sizes matter to the question.
+  const int status = check_problem("v1e_scaled_mm_workspace_size", bytes, bytes, bytes, m, n, k,
+                                   k, k, out_dtype);
+  if (status != cudaSuccess) return status;
+  if (config < 0 || config >= v1e::kNumScaledMmConfigs) {
+    return v1e::set_error("v1e_scaled_mm_workspace_size: config %d is outside [0, %d)", config,
+                          v1e::kNumScaledMmConfigs);
+  }
+#ifdef V1E_WITH_CUTLASS
+  size_t size = 0;
+  v1e::ScaledMmParams params{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, k, k,
+                             true, true, 0, 0, nullptr, false};
+  params.workspace_query = &size;
+  const cudaError_t error = current_device(&params.device, &params.sm_count);
+  if (error != cudaSuccess) {
+    v1e::set_error("cannot query the current device: %s", cudaGetErrorString(error));
+    return error;
+  }
+  const int result = out_dtype == V1E_DTYPE_BFLOAT16
+                         ? dispatch_scaled_mm<V1E_DTYPE_BFLOAT16>(params, config)
+                         : dispatch_scaled_mm<V1E_DTYPE_FLOAT16>(params, config);
+  *bytes = static_cast<int64_t>(size);
+  return result;
+#else
+  v1e::set_error("the library was built without the CUTLASS headers");
+  return cudaErrorNotSupported;
+#endif
+}
+
 int v1e_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
                   const float* scale_b, const void* bias, int64_t m, int64_t n, int64_t k,
                   int64_t lda, int64_t ldb, int scale_a_per_row, int scale_b_per_col,
-                  int out_dtype, int config, int pdl, void* stream) {
+                  int out_dtype, int config, void* workspace, int64_t workspace_bytes, int pdl,
+                  void* stream) {
   last_error[0] = '\0';
   const int status = check_problem("v1e_scaled_mm", out, a, b, m, n, k, lda, ldb, out_dtype);
   if (status != cudaSuccess) return status;
@@ -184,10 +224,17 @@ int v1e_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
     return v1e::set_error("v1e_scaled_mm: config %d is outside [0, %d)", config,
                           v1e::kNumScaledMmConfigs);
   }
+  if (workspace_bytes < 0 || (workspace_bytes > 0 && !aligned16(workspace))) {
+    return v1e::set_error("v1e_scaled_mm: workspace_bytes (%" PRId64 ") must be >= 0, and the "
+                          "workspace 16-byte aligned (%p) when it is > 0", workspace_bytes,
+                          workspace);
+  }
 #ifdef V1E_WITH_CUTLASS
   v1e::ScaledMmParams params{out, a, b, scale_a, scale_b, bias, m, n, k, lda, ldb,
                              scale_a_per_row != 0, scale_b_per_col != 0, 0, 0,
                              static_cast<cudaStream_t>(stream), pdl != 0};
+  params.workspace = workspace;
+  params.workspace_bytes = static_cast<size_t>(workspace_bytes);
   const cudaError_t error = current_device(&params.device, &params.sm_count);
   if (error != cudaSuccess) {
     v1e::set_error("cannot query the current device: %s", cudaGetErrorString(error));
@@ -199,6 +246,7 @@ int v1e_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
   return dispatch_scaled_mm<V1E_DTYPE_FLOAT16>(params, config);
 #else
   (void)bias;
+  (void)workspace;
   (void)scale_a_per_row;
   (void)scale_b_per_col;
   (void)pdl;

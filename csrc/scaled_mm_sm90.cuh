@@ -31,6 +31,7 @@
 #include <type_traits>
 
 #include "scaled_mm.h"
+#include "stream_k_sm90.cuh"
 #include "v1engine_kernels.h"
 
 namespace v1e {
@@ -46,13 +47,17 @@ template <int kDtype>
 using OutputElement =
     std::conditional_t<kDtype == V1E_DTYPE_BFLOAT16, cutlass::bfloat16_t, cutlass::half_t>;
 
-// One tile configuration of the per-channel GEMM.
-template <class TileShape_, class ClusterShape_, bool kCooperative_, bool kSwapAB_>
+// One tile configuration of the per-channel GEMM. Stream-K configurations (cooperative only)
+// take a workspace; the others none.
+template <class TileShape_, class ClusterShape_, bool kCooperative_, bool kSwapAB_,
+          bool kStreamK_ = false>
 struct TileConfig {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
   static constexpr bool kCooperative = kCooperative_;
   static constexpr bool kSwapAB = kSwapAB_;
+  static constexpr bool kStreamK = kStreamK_;
+  static_assert(!kStreamK || kCooperative, "CUTLASS runs stream-K in cooperative kernels only");
 };
 
 // The configuration ids of v1e_scaled_mm. Pingpong kernels overlap one warp group's epilogue with
@@ -76,6 +81,15 @@ template <>  // large M, alternative
 struct ConfigById<6> : TileConfig<Shape<_128, _128, _128>, Shape<_1, _2, _1>, true, false> {};
 template <>  // 64 < M <= 128, alternative: swapped
 struct ConfigById<7> : TileConfig<Shape<_64, _128, _128>, Shape<_1, _1, _1>, false, true> {};
+// Decode-sized M with stream-K: every CTA the same share of K steps, so short weights (the 8B
+// o_proj has 32 tiles of 128 rows) and wave remainders (gate_up: 224 tiles on 132 SMs) keep
+// every SM streaming. Swapped, cooperative (two warp groups on the 128 weight rows).
+template <>  // M <= 16
+struct ConfigById<8>
+    : TileConfig<Shape<_128, _16, _128>, Shape<_1, _1, _1>, true, true, true> {};
+template <>  // M <= 64
+struct ConfigById<9>
+    : TileConfig<Shape<_128, _64, _128>, Shape<_1, _1, _1>, true, true, true> {};
 
 template <class ElementD, class Config>
 struct ScaledMmKernel {
@@ -131,10 +145,11 @@ struct ScaledMmKernel {
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
 
+  using Scheduler = std::conditional_t<Config::kStreamK, ResettingStreamKTag,
+                                       cutlass::gemm::PersistentScheduler>;
   using GemmKernel =
       cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
-                                           CollectiveEpilogue,
-                                           cutlass::gemm::PersistentScheduler>;
+                                           CollectiveEpilogue, Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 };
 
@@ -237,7 +252,22 @@ int run_scaled_mm(const ScaledMmParams& p) {
                                 {epilogue_args, nullptr, stride_d,
                                  static_cast<ElementD*>(p.out), stride_d},
                                 hw_info};
-  return launch_gemm<Gemm>(args, p.stream, p.pdl, "v1e_scaled_mm");
+  if constexpr (Config::kStreamK) {
+    args.scheduler.decomposition_mode = GemmKernel::TileScheduler::DecompositionMode::StreamK;
+    args.scheduler.reduction_mode = GemmKernel::TileScheduler::ReductionMode::Deterministic;
+    if (p.workspace_query != nullptr) {
+      *p.workspace_query = Gemm::get_workspace_size(args);
+      return cudaSuccess;
+    }
+    return launch_stream_k<Gemm>(args, p.workspace, p.workspace_bytes, p.device, p.stream, p.pdl,
+                                 "v1e_scaled_mm");
+  } else {
+    if (p.workspace_query != nullptr) {
+      *p.workspace_query = 0;
+      return cudaSuccess;
+    }
+    return launch_gemm<Gemm>(args, p.stream, p.pdl, "v1e_scaled_mm");
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

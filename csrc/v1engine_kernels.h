@@ -68,6 +68,12 @@ V1E_API int v1e_has_fp8_gemm(void);
 /* Number of tile configurations v1e_scaled_mm accepts (config ids 0 .. n-1). */
 V1E_API int v1e_scaled_mm_num_configs(void);
 
+/* The workspace v1e_scaled_mm needs for an m x n x k problem in this configuration, in *bytes:
+ * 0 except for the stream-K configurations (8, 9). Failures are recorded for
+ * v1e_fp8_gemm_error(). */
+V1E_API int v1e_scaled_mm_workspace_size(int64_t m, int64_t n, int64_t k, int out_dtype,
+                                         int config, int64_t* bytes);
+
 /* Why the calling thread's last v1e_scaled_mm / v1e_block_scaled_mm call failed: the argument
  * check or the CUTLASS check (mainloop, epilogue, kernel, initialize) that refused it, or the
  * launch error; "" after a success. Valid until the thread's next FP8 GEMM call. */
@@ -84,6 +90,10 @@ V1E_API const char* v1e_fp8_gemm_error(void);
  * scale_b:  fp32, N values when scale_b_per_col, else 1.
  * bias:     [N] of out_dtype, or NULL.
  * config:   tile configuration id in [0, v1e_scaled_mm_num_configs()); the caller picks it by M.
+ * workspace: for the stream-K configurations (8, 9), at least v1e_scaled_mm_workspace_size
+ *           bytes, ZEROED ONCE by its owner; each call leaves it zero again, so calls ordered
+ *           on one stream may share it (with v1e_gemm too), concurrent calls may not. Others
+ *           take none (NULL, 0).
  * pdl:      nonzero launches with programmatic dependent launch (as v1e_reshape_and_cache).
  * K, N, lda, ldb must be multiples of 16 and a, b, out 16-byte aligned (TMA).
  *
@@ -93,7 +103,8 @@ V1E_API const char* v1e_fp8_gemm_error(void);
 V1E_API int v1e_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
                           const float* scale_b, const void* bias, int64_t m, int64_t n, int64_t k,
                           int64_t lda, int64_t ldb, int scale_a_per_row, int scale_b_per_col,
-                          int out_dtype, int config, int pdl, void* stream);
+                          int out_dtype, int config, void* workspace, int64_t workspace_bytes,
+                          int pdl, void* stream);
 
 /*
  * out[M, N] from block-scaled e4m3 operands (the DeepSeek-V3 layout), fp32 accumulation with the
@@ -118,7 +129,8 @@ V1E_API int v1e_fp8_gemv_num_configs(void);
 /*
  * The same product as v1e_scaled_mm for decode-sized M (1..8), by a GEMV-shaped kernel: each
  * block streams 16 rows of b through the tensor cores' m16n8k32 e4m3 MMA with the activation
- * rows as its 8 columns (csrc/fp8_gemv.cu). Arguments as v1e_scaled_mm, except: m in [1, 8];
+ * rows as its 8 columns (csrc/fp8_gemv.cu). Arguments as v1e_scaled_mm without the workspace
+ * (it needs none), except: m in [1, 8];
  * n a multiple of 16, k of 64; a and b 16-byte aligned (out and bias need no alignment); config
  * in [0, v1e_fp8_gemv_num_configs()) picks warps per block and loads in flight; pdl 1 launches
  * with PDL and lets dependents launch after the main loop, 2 with PDL and dependents only at

@@ -7,6 +7,7 @@ in accumulation order (and the Hopper FP8 accumulator's precision): a tight tole
 
 from __future__ import annotations
 
+import ctypes
 import re
 
 import pytest
@@ -236,7 +237,8 @@ def test_block_scaled_mm_entry_names_the_failed_check(overrides: dict, match: st
 
 def test_scaled_mm_entry_names_the_failed_check() -> None:
     lib = _library_or_skip()
-    args = [0x1000, 0x2000, 0x3000, 0x4000, 0x5000, None, 4, 64, 64, 64, 64, 1, 1, 1, 0, 0, None]
+    args = [0x1000, 0x2000, 0x3000, 0x4000, 0x5000, None, 4, 64, 64, 64, 64, 1, 1, 1, 0, None, 0]
+    args += [0, None]  # pdl, stream
     args[14] = fp8_cutlass.NUM_SCALED_MM_CONFIGS  # config id
     assert lib.v1e_scaled_mm(*args) == CUDA_ERROR_INVALID_VALUE
     assert lib.v1e_fp8_gemm_error().decode() == (
@@ -246,6 +248,13 @@ def test_scaled_mm_entry_names_the_failed_check() -> None:
     args[14], args[4] = 0, None  # scale_b missing
     assert lib.v1e_scaled_mm(*args) == CUDA_ERROR_INVALID_VALUE
     assert "scale_a and scale_b must not be null" in lib.v1e_fp8_gemm_error().decode()
+    args[4], args[15], args[16] = 0x5000, 0x6008, 1024  # a misaligned stream-K workspace
+    assert lib.v1e_scaled_mm(*args) == CUDA_ERROR_INVALID_VALUE
+    assert "workspace 16-byte aligned (0x6008)" in lib.v1e_fp8_gemm_error().decode()
+    size = ctypes.c_int64(-1)
+    code = lib.v1e_scaled_mm_workspace_size(64, 4096, 4096, 1, 10, ctypes.byref(size))
+    assert code == CUDA_ERROR_INVALID_VALUE
+    assert "config 10 is outside [0, 10)" in lib.v1e_fp8_gemm_error().decode()
 
 
 # ----- CUTLASS kernels on the GPU --------------------------------------------------------------

@@ -245,3 +245,29 @@ def test_linear_op_runs_it_for_tuned_shapes_gpu(monkeypatch: pytest.MonkeyPatch)
     x, w = _operands(64, 4096, 4096, seed=6100)  # not tuned: the previous kernel
     torch.testing.assert_close(triton_gemv.skinny_linear_cuda(x, w), F.linear(x, w))
     assert calls == [(48, 6144), (64, 6144)]
+
+
+@pytest.mark.gpu
+def test_fp8_stream_k_configs_share_the_workspace_gpu() -> None:
+    """The FP8 GEMM's stream-K configurations (kernels/fp8_cutlass.STREAM_K_CONFIGS) use the same
+    device workspace: interleaved with bf16 calls, every result stays right."""
+    _require_kernel()
+    from v1_engine.kernels import fp8, fp8_cutlass
+
+    outs = []
+    for i in range(3):
+        for config in fp8_cutlass.STREAM_K_CONFIGS:
+            x, w = _operands(16 * (i + 1), 4096, 14336, seed=7000 + 10 * i + config)
+            qx, sx = fp8.per_token_fp8_quant(x)
+            qw, sw = fp8.per_token_fp8_quant(w)
+            got = fp8_cutlass.scaled_mm_cutlass(qx, qw, sx, sw, torch.bfloat16, config=config)
+            outs.append((got, fp8.scaled_mm_ref(qx, qw, sx, sw, torch.bfloat16)))
+            xb, wb = _operands(64, 6144, 4096, seed=7100 + i)
+            outs.append((gemm_cutlass.gemm(xb, wb, config=3, decomposition="stream_k"), xb, wb))
+    torch.cuda.synchronize()
+    for item in outs:
+        if len(item) == 3:
+            assert_matches_product(*item)
+        else:
+            got, ref = item
+            torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)

@@ -91,7 +91,9 @@ def _declare_fp8_gemm_signatures(lib: ctypes.CDLL) -> None:
     lib.v1e_scaled_mm_num_configs.restype = ctypes.c_int
     lib.v1e_fp8_gemm_error.argtypes = []
     lib.v1e_fp8_gemm_error.restype = ctypes.c_char_p
-    lib.v1e_scaled_mm.argtypes = [
+    # The decode-sized GEMV (csrc/fp8_gemv.cu) takes v1e_scaled_mm's arguments without the
+    # workspace (config its own).
+    gemm_args = [
         _ptr,  # out [M, N]
         _ptr,  # a [M, K] e4m3
         _ptr,  # b [N, K] e4m3
@@ -107,14 +109,29 @@ def _declare_fp8_gemm_signatures(lib: ctypes.CDLL) -> None:
         ctypes.c_int,  # scale_b_per_col
         ctypes.c_int,  # out dtype code
         ctypes.c_int,  # tile configuration id
+    ]
+    launch_args = [
         ctypes.c_int,  # pdl (programmatic dependent launch)
         _ptr,  # cudaStream_t
     ]
+    workspace_args = [
+        _ptr,  # workspace (stream-K configurations; zeroed once by its owner) or NULL
+        _i64,  # workspace bytes
+    ]
+    lib.v1e_scaled_mm.argtypes = gemm_args + workspace_args + launch_args
     lib.v1e_scaled_mm.restype = ctypes.c_int
-    # The decode-sized GEMV (csrc/fp8_gemv.cu): v1e_scaled_mm's arguments, config its own.
+    lib.v1e_scaled_mm_workspace_size.argtypes = [
+        _i64,  # m
+        _i64,  # n
+        _i64,  # k
+        ctypes.c_int,  # out dtype code
+        ctypes.c_int,  # tile configuration id
+        ctypes.POINTER(_i64),  # bytes (out)
+    ]
+    lib.v1e_scaled_mm_workspace_size.restype = ctypes.c_int
     lib.v1e_fp8_gemv_num_configs.argtypes = []
     lib.v1e_fp8_gemv_num_configs.restype = ctypes.c_int
-    lib.v1e_fp8_gemv.argtypes = lib.v1e_scaled_mm.argtypes
+    lib.v1e_fp8_gemv.argtypes = gemm_args + launch_args
     lib.v1e_fp8_gemv.restype = ctypes.c_int
     lib.v1e_block_scaled_mm.argtypes = [
         _ptr,  # out [M, N]

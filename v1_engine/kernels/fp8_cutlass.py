@@ -17,6 +17,7 @@ import os
 import torch
 
 from v1_engine.kernels import _C
+from v1_engine.kernels.gemm_cutlass import device_workspace
 from v1_engine.kernels.pdl import use_pdl
 
 SCALED_MM_DISPATCH: tuple[tuple[int, int], ...] = (
@@ -84,8 +85,13 @@ NUM_GEMV_CONFIGS = 7
 """Launch configurations compiled into the library (ids 0..6; 5 and 6 persistent grids of one
 block per SM), see csrc/fp8_gemv.cu."""
 
-NUM_SCALED_MM_CONFIGS = 8
-"""Tile configurations compiled into the library (ids 0..7), see csrc/scaled_mm_sm90.cuh."""
+NUM_SCALED_MM_CONFIGS = 10
+"""Tile configurations compiled into the library (ids 0..9), see csrc/scaled_mm_sm90.cuh."""
+
+STREAM_K_CONFIGS = (8, 9)
+"""The configurations with a stream-K scheduler (128 x 16 and 128 x 64 swapped cooperative
+tiles): they take the device's shared workspace (kernels/gemm_cutlass.device_workspace). Not in
+the dispatch tables until measured (`benchmark_fp8_gemm.py --tune`)."""
 
 
 @functools.cache
@@ -148,12 +154,13 @@ def _launch_scaled_mm(
     config: int,
     pdl: int,
 ) -> torch.Tensor:
-    """Calls `v1e_scaled_mm` or `v1e_fp8_gemv` (one signature) into `out`; raises on failure."""
+    """Calls `v1e_scaled_mm` (with the shared workspace for a stream-K configuration) or
+    `v1e_fp8_gemv` (the same arguments without it) into `out`; raises on failure."""
     lib = _library()
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
     scale_a, scale_b = scale_a.contiguous(), scale_b.contiguous()
     with torch.cuda.device(a.device):
-        code = getattr(lib, entry_point)(
+        args = [
             out.data_ptr(),
             a.data_ptr(),
             b.data_ptr(),
@@ -169,11 +176,29 @@ def _launch_scaled_mm(
             int(scale_b.numel() != 1),
             _C.DTYPE_CODES[out.dtype],
             config,
-            pdl,
-            torch.cuda.current_stream().cuda_stream,
-        )
+        ]
+        if entry_point == "v1e_scaled_mm":  # the GEMV takes no workspace
+            workspace = None
+            if config in STREAM_K_CONFIGS:
+                needed = _workspace_bytes(
+                    torch.cuda.current_device(), m, n, k, _C.DTYPE_CODES[out.dtype], config
+                )
+                workspace = device_workspace(a.device, needed)
+            args += [0, 0] if workspace is None else [workspace.data_ptr(), workspace.numel()]
+        code = getattr(lib, entry_point)(*args, pdl, torch.cuda.current_stream().cuda_stream)
     check_gemm_status(lib, code, entry_point)
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _workspace_bytes(index: int, m: int, n: int, k: int, dtype_code: int, config: int) -> int:
+    """Workspace bytes of a stream-K configuration for this problem on device `index` (cached:
+    the library computes it with CUTLASS's stream-K heuristics on the host)."""
+    lib = _library()
+    size = ctypes.c_int64(0)
+    code = lib.v1e_scaled_mm_workspace_size(m, n, k, dtype_code, config, ctypes.byref(size))
+    check_gemm_status(lib, code, "v1e_scaled_mm_workspace_size")
+    return size.value
 
 
 def fits_gemv(

@@ -10,8 +10,9 @@ computing the transposed problem so the weight fills the 128-row wgmma tile.
 GEMM_TUNED, measured faster than the alternatives by `benchmarks/benchmark_gemm_bf16.py`; every
 other shape keeps its previous kernel. V1ENGINE_CUTLASS_GEMM=0 turns it off (A/B runs).
 
-The workspace: one zeroed buffer per device, shared by every call on that device's stream (the
-kernel leaves its locks zero, csrc/gemm_sm90.cu). It grows outside CUDA graph capture only;
+The workspace: one zeroed buffer per device, shared by every call on that device's stream, the
+FP8 GEMM's stream-K configurations included (the kernels leave their locks zero,
+csrc/stream_k_sm90.cuh). It grows outside CUDA graph capture only;
 graphs keep the buffer they captured alive through `_WORKSPACES`.
 """
 
@@ -146,8 +147,9 @@ def _workspace_bytes(
     return size.value
 
 
-def _workspace(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's zeroed workspace, grown to `needed` bytes (rounded up to 1 MiB) outside
+def device_workspace(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The device's zeroed stream-K workspace (shared with the FP8 GEMM's stream-K
+    configurations, kernels/fp8_cutlass.py), grown to `needed` bytes (rounded up to 1 MiB) outside
     graph capture; None when no workspace is needed."""
     if needed == 0:
         return None
@@ -188,7 +190,7 @@ def gemm(
     lib = _library()
     with torch.cuda.device(x.device):
         needed = _workspace_bytes(torch.cuda.current_device(), m, n, k, config, mode, splits)
-        workspace = _workspace(x.device, needed)
+        workspace = device_workspace(x.device, needed)
         code = lib.v1e_gemm(
             out.data_ptr(),
             x.data_ptr(),
