@@ -138,8 +138,8 @@ template <int kConfig>
 int workspace_size(const GemmParams& p, size_t* bytes) {
   using Gemm = typename GemmKernelOf<typename TileById<kConfig>::type>::Gemm;
   auto args = make_arguments<kConfig>(p);
-  *bytes = Gemm::get_workspace_size(args);
-  return cudaSuccess;
+  size_t partials = 0;
+  return sm90::stream_k_workspace<Gemm>(args, bytes, &partials, "v1e_gemm_workspace_size");
 }
 
 template <int kConfig>

@@ -88,6 +88,19 @@ int check_problem(const char* what, const void* out, const void* a, const void* 
   return cudaSuccess;
 }
 
+// A stream-K workspace (csrc/stream_k_sm90.cuh): none (0 bytes), or a non-null, 256-byte aligned
+// buffer of a multiple of 256 bytes.
+int check_workspace(const char* what, const void* workspace, int64_t workspace_bytes) {
+  if (workspace_bytes == 0) return cudaSuccess;
+  if (workspace_bytes < 0 || workspace_bytes % 256 != 0 || workspace == nullptr ||
+      reinterpret_cast<uintptr_t>(workspace) % 256 != 0) {
+    return v1e::set_error("%s: a workspace of %" PRId64 " bytes at %p: it must be none (0 bytes) "
+                          "or non-null, 256-byte aligned and a multiple of 256 bytes", what,
+                          workspace_bytes, workspace);
+  }
+  return cudaSuccess;
+}
+
 // The arguments of v1e_gemm / v1e_gemm_workspace_size; records the first violated requirement.
 int check_gemm(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int config,
                int decomposition, int splits) {
@@ -190,8 +203,12 @@ int v1e_scaled_mm_workspace_size(int64_t m, int64_t n, int64_t k, int out_dtype,
   }
 #ifdef V1E_WITH_CUTLASS
   size_t size = 0;
-  v1e::ScaledMmParams params{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, k, k,
-                             true, true, 0, 0, nullptr, false};
+  // Placeholder operands: the sizing builds TMA descriptors (host-side, never used), and their
+  // encoding wants plausible addresses; nothing is read from them.
+  void* const placeholder = reinterpret_cast<void*>(uintptr_t(1) << 20);
+  const float* const scales = static_cast<const float*>(placeholder);
+  v1e::ScaledMmParams params{placeholder, placeholder, placeholder, scales, scales, nullptr,
+                             m, n, k, k, k, true, true, 0, 0, nullptr, false};
   params.workspace_query = &size;
   const cudaError_t error = current_device(&params.device, &params.sm_count);
   if (error != cudaSuccess) {
@@ -224,11 +241,8 @@ int v1e_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
     return v1e::set_error("v1e_scaled_mm: config %d is outside [0, %d)", config,
                           v1e::kNumScaledMmConfigs);
   }
-  if (workspace_bytes < 0 || (workspace_bytes > 0 && !aligned16(workspace))) {
-    return v1e::set_error("v1e_scaled_mm: workspace_bytes (%" PRId64 ") must be >= 0, and the "
-                          "workspace 16-byte aligned (%p) when it is > 0", workspace_bytes,
-                          workspace);
-  }
+  const int workspace_status = check_workspace("v1e_scaled_mm", workspace, workspace_bytes);
+  if (workspace_status != cudaSuccess) return workspace_status;
 #ifdef V1E_WITH_CUTLASS
   v1e::ScaledMmParams params{out, a, b, scale_a, scale_b, bias, m, n, k, lda, ldb,
                              scale_a_per_row != 0, scale_b_per_col != 0, 0, 0,
@@ -311,6 +325,10 @@ int v1e_gemm_workspace_size(int64_t m, int64_t n, int64_t k, int config, int dec
   if (status != cudaSuccess) return status;
 #ifdef V1E_WITH_CUTLASS
   v1e::GemmParams params{};
+  // Placeholder operands: the sizing builds TMA descriptors (host-side, never used), and their
+  // encoding wants plausible addresses; nothing is read from them.
+  params.out = reinterpret_cast<void*>(uintptr_t(1) << 20);
+  params.a = params.b = params.out;
   params.m = m;
   params.n = n;
   params.k = k;
@@ -345,14 +363,12 @@ int v1e_gemm(void* out, const void* a, const void* b, int64_t m, int64_t n, int6
   }
   const int status = check_gemm(m, n, k, lda, ldb, config, decomposition, splits);
   if (status != cudaSuccess) return status;
-  if (!aligned16(out) || !aligned16(a) || !aligned16(b) || !aligned16(workspace)) {
-    return v1e::set_error("v1e_gemm: out (%p), a (%p), b (%p) and workspace (%p) must be "
-                          "16-byte aligned", out, a, b, workspace);
+  if (!aligned16(out) || !aligned16(a) || !aligned16(b)) {
+    return v1e::set_error("v1e_gemm: out (%p), a (%p) and b (%p) must be 16-byte aligned", out,
+                          a, b);
   }
-  if (workspace_bytes < 0 || (workspace_bytes > 0 && workspace == nullptr)) {
-    return v1e::set_error("v1e_gemm: workspace_bytes (%" PRId64 ") must be >= 0, and the "
-                          "workspace not null when it is > 0", workspace_bytes);
-  }
+  const int workspace_status = check_workspace("v1e_gemm", workspace, workspace_bytes);
+  if (workspace_status != cudaSuccess) return workspace_status;
 #ifdef V1E_WITH_CUTLASS
   v1e::GemmParams params{out, a, b, m, n, k, lda, ldb, decomposition, splits, workspace,
                          static_cast<size_t>(workspace_bytes), 0, 0,

@@ -153,54 +153,25 @@ struct ScaledMmKernel {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 };
 
-// Checks the CUTLASS arguments part by part (so a rejection names the part that refused, see
-// set_error) and launches; no workspace, no host sync. `what` names the GEMM in messages.
+// Checks the CUTLASS arguments part by part (check_arguments) and launches; no workspace, no host
+// sync. `what` names the GEMM in messages.
 template <class Gemm>
 int launch_gemm(typename Gemm::Arguments& args, cudaStream_t stream, bool pdl,
                 const char* what) {
-  using GemmKernel = typename Gemm::GemmKernel;
-  const auto& shape = args.problem_shape;
-  const int m = get<0>(shape), n = get<1>(shape), k = get<2>(shape);
   const size_t workspace = Gemm::get_workspace_size(args);
   if (workspace != 0) {
     return set_error("%s: the CUTLASS kernel asks for a %zu-byte workspace, none is passed", what,
                      workspace);
   }
-  if (!GemmKernel::CollectiveMainloop::can_implement(shape, args.mainloop)) {
-    return set_error(
-        "%s: the CUTLASS mainloop rejects m=%d n=%d k=%d: a TMA-loaded operand (A, B, or the "
-        "block-scaled kernel's M-major scale A) has an extent or stride that is not a multiple "
-        "of 16 bytes",
-        what, m, n, k);
-  }
-  if (!GemmKernel::CollectiveEpilogue::can_implement(shape, args.epilogue)) {
-    return set_error(
-        "%s: the CUTLASS epilogue rejects m=%d n=%d k=%d (output rows not 16-byte aligned)", what,
-        m, n, k);
-  }
+  const int checked = check_arguments<Gemm>(args, what);
+  if (checked != cudaSuccess) return checked;
   Gemm gemm;
-  const cutlass::Status can = gemm.can_implement(args);
-  if (can != cutlass::Status::kSuccess) {
-    return set_error("%s: CUTLASS can_implement rejects m=%d n=%d k=%d (problem mode or tile "
-                     "scheduler): %s",
-                     what, m, n, k, cutlass::cutlassGetStatusString(can));
-  }
   const cutlass::Status init = gemm.initialize(args, nullptr, stream);
   if (init != cutlass::Status::kSuccess) {
     return set_error("%s: CUTLASS initialize failed (TMA descriptor setup): %s", what,
                      cutlass::cutlassGetStatusString(init));
   }
-  if (gemm.run(stream, nullptr, pdl) != cutlass::Status::kSuccess) {
-    const cudaError_t error = cudaGetLastError();
-    set_error("%s: kernel launch failed: %s", what,
-              cudaGetErrorString(error != cudaSuccess ? error : cudaErrorLaunchFailure));
-    return error != cudaSuccess ? error : cudaErrorLaunchFailure;
-  }
-  const cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) {
-    set_error("%s: kernel launch failed: %s", what, cudaGetErrorString(error));
-  }
-  return error;
+  return launch_status(gemm.run(stream, nullptr, pdl), what);
 }
 
 template <class ElementD, class Config>
@@ -256,8 +227,9 @@ int run_scaled_mm(const ScaledMmParams& p) {
     args.scheduler.decomposition_mode = GemmKernel::TileScheduler::DecompositionMode::StreamK;
     args.scheduler.reduction_mode = GemmKernel::TileScheduler::ReductionMode::Deterministic;
     if (p.workspace_query != nullptr) {
-      *p.workspace_query = Gemm::get_workspace_size(args);
-      return cudaSuccess;
+      size_t partials = 0;
+      return stream_k_workspace<Gemm>(args, p.workspace_query, &partials,
+                                      "v1e_scaled_mm_workspace_size");
     }
     return launch_stream_k<Gemm>(args, p.workspace, p.workspace_bytes, p.device, p.stream, p.pdl,
                                  "v1e_scaled_mm");

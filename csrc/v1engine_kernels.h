@@ -91,9 +91,10 @@ V1E_API const char* v1e_fp8_gemm_error(void);
  * bias:     [N] of out_dtype, or NULL.
  * config:   tile configuration id in [0, v1e_scaled_mm_num_configs()); the caller picks it by M.
  * workspace: for the stream-K configurations (8, 9), at least v1e_scaled_mm_workspace_size
- *           bytes, ZEROED ONCE by its owner; each call leaves it zero again, so calls ordered
- *           on one stream may share it (with v1e_gemm too), concurrent calls may not. Others
- *           take none (NULL, 0).
+ *           bytes, 256-byte aligned, a multiple of 256 bytes, ZEROED ONCE by its owner: its
+ *           last 1 MiB holds the split tiles' locks, which every call leaves zero, the rest is
+ *           scratch; so calls ordered on one stream may share it (with v1e_gemm too),
+ *           concurrent calls may not (csrc/stream_k_sm90.cuh). Others take none (NULL, 0).
  * pdl:      nonzero launches with programmatic dependent launch (as v1e_reshape_and_cache).
  * K, N, lda, ldb must be multiples of 16 and a, b, out 16-byte aligned (TMA).
  *
@@ -156,12 +157,11 @@ V1E_API int v1e_gemm_workspace_size(int64_t m, int64_t n, int64_t k, int config,
  * out[M, N] = a[M, K] @ b[N, K]^T in bf16 with fp32 accumulation, for decode-sized M: CUTLASS
  * cooperative TMA kernels with a stream-K tile scheduler, the weight b as the 128-row tile
  * (csrc/gemm_sm90.cu). out [M, N] dense; a rows lda apart, b rows ldb apart, K contiguous;
- * n, k, lda, ldb multiples of 8; out, a, b, workspace 16-byte aligned. config in
+ * n, k, lda, ldb multiples of 8; out, a, b 16-byte aligned. config in
  * [0, v1e_gemm_num_configs()); decomposition 0 heuristic, 1 stream-K, 2 split-K into `splits`
- * slices, 3 data-parallel. workspace: at least v1e_gemm_workspace_size bytes, ZEROED ONCE by
- * its owner before its first use; each call leaves it zero again, so calls ordered on one
- * stream may share it, concurrent calls may not. pdl as v1e_scaled_mm. Failures are recorded
- * for v1e_fp8_gemm_error().
+ * slices, 3 data-parallel. workspace: as v1e_scaled_mm's (at least v1e_gemm_workspace_size
+ * bytes, zeroed once by its owner, shared by calls ordered on one stream). pdl as
+ * v1e_scaled_mm. Failures are recorded for v1e_fp8_gemm_error().
  */
 V1E_API int v1e_gemm(void* out, const void* a, const void* b, int64_t m, int64_t n, int64_t k,
                      int64_t lda, int64_t ldb, int dtype, int config, int decomposition,

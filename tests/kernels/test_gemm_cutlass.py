@@ -93,7 +93,9 @@ _GEMM_ARGS = [0x1000, 0x2000, 0x3000, 64, 4096, 4096, 4096, 4096, 1, 2, 1, 1, 0x
         ({10: 4}, "decomposition 4 is outside [0, 4)"),
         ({10: 2, 11: 0}, "split-K needs splits >= 1, got 0"),
         ({1: 0x2008}, "a (0x2008)"),
-        ({12: None}, "the workspace not null when it is > 0"),
+        ({12: None}, "a workspace of 1024 bytes at (nil): it must be none (0 bytes) or non-null"),
+        ({12: 0x4010}, "a workspace of 1024 bytes at 0x4010"),
+        ({13: 1000}, "a workspace of 1000 bytes at 0x4000"),
         ({0: None}, "out, a and b must not be null"),
     ],
 )

@@ -11,8 +11,8 @@ GEMM_TUNED, measured faster than the alternatives by `benchmarks/benchmark_gemm_
 other shape keeps its previous kernel. V1ENGINE_CUTLASS_GEMM=0 turns it off (A/B runs).
 
 The workspace: one zeroed buffer per device, shared by every call on that device's stream, the
-FP8 GEMM's stream-K configurations included (the kernels leave their locks zero,
-csrc/stream_k_sm90.cuh). It grows outside CUDA graph capture only;
+FP8 GEMM's stream-K configurations included: its last 1 MiB holds the split tiles' locks, which
+every call leaves zero, the rest is scratch for partial sums (csrc/stream_k_sm90.cuh). It grows outside CUDA graph capture only;
 graphs keep the buffer they captured alive through `_WORKSPACES`.
 """
 
