@@ -199,7 +199,13 @@ def machine() -> str:
     return f"{gpu}, torch {torch.__version__}, {platform.node()}"
 
 
-SWITCHES = ("V1ENGINE_PDL", "V1ENGINE_SKINNY_GEMM", "V1ENGINE_ATTENTION_BACKEND")
+SWITCHES = (
+    "V1ENGINE_PDL",
+    "V1ENGINE_SKINNY_GEMM",
+    "V1ENGINE_CUTLASS_GEMM",
+    "V1ENGINE_FP8_GEMV",
+    "V1ENGINE_ATTENTION_BACKEND",
+)
 """Environment variables that change which kernels run: a result section records those set."""
 
 
@@ -221,3 +227,43 @@ def append_results(title: str, command: str, body: str) -> None:
     )
     with RESULTS_PATH.open("a") as f:
         f.write(section)
+
+
+def write_gemm_tables(path: str, kind: str, rows: list[list]) -> None:
+    """Writes (or adds to) a GEMM table file that `apply_gemm_tables` reads: `kind` "bf16" rows
+    are GEMM_TUNED entries [M bucket, N, K, config, decomposition, splits]
+    (kernels/gemm_cutlass.py), "fp8" rows SCALED_MM_SHAPE_CONFIGS entries [M bucket bound, N,
+    K, config] (kernels/fp8_cutlass.py)."""
+    if kind not in ("bf16", "fp8"):
+        raise ValueError(f"kind must be 'bf16' or 'fp8', got {kind!r}")
+    file = Path(path)
+    tables = json.loads(file.read_text()) if file.exists() else {}
+    tables[kind] = rows
+    file.write_text(json.dumps(tables))
+
+
+def apply_gemm_tables(path: str) -> str:
+    """Adds the entries of a `write_gemm_tables` file to the dispatch tables of this process (an
+    engine in this process then runs them: an A/B before the entries are committed). Returns a
+    one-line account of what was set."""
+    import math
+
+    from v1_engine.kernels import fp8_cutlass, gemm_cutlass
+
+    tables = json.loads(Path(path).read_text())
+    unknown = set(tables) - {"bf16", "fp8"}
+    if unknown:
+        raise ValueError(f"{path}: unknown table kinds {sorted(unknown)}; allowed: bf16, fp8")
+    for bucket, n, k, config, decomposition, splits in tables.get("bf16", []):
+        gemm_cutlass.GEMM_TUNED[(int(bucket), int(n), int(k))] = (
+            int(config),
+            str(decomposition),
+            int(splits),
+        )
+    for bound, n, k, config in tables.get("fp8", []):
+        key = (math.inf if bound in (None, "inf") else int(bound), int(n), int(k))
+        fp8_cutlass.SCALED_MM_SHAPE_CONFIGS[key] = int(config)
+    return (
+        f"GEMM tables from {path}: {len(tables.get('bf16', []))} bf16 GEMM_TUNED entries, "
+        f"{len(tables.get('fp8', []))} FP8 SCALED_MM_SHAPE_CONFIGS entries"
+    )

@@ -233,6 +233,7 @@ def run_tune(args: argparse.Namespace) -> None:
     print("| M | " + " | ".join(f"cfg {c}" for c in range(num_configs)) + " | best |")
     print("|---" * (num_configs + 2) + "|")
     per_shape_lines = []
+    shape_entries: dict[tuple[float, int, int], int] = {}
     for m in args.m:
         per_config: dict[int, list[float]] = {c: [] for c in range(num_configs)}
         for shape in SHAPES:
@@ -253,6 +254,8 @@ def run_tune(args: argparse.Namespace) -> None:
             rates = {c: per_config[c][i] for c in range(num_configs)}
             top = max(rates, key=rates.get)
             if rates[top] > 1.05 * rates[current]:
+                bound = next(b for b, _ in fp8_cutlass.SCALED_MM_DISPATCH if m <= b)
+                shape_entries.setdefault((bound, shape.n, shape.k), top)
                 per_shape_lines.append(
                     f"  {shape.model} {shape.layer} M={m} (N={shape.n}, K={shape.k}): cfg {top} "
                     f"{rates[top]:.1f} TFLOP/s vs the table's cfg {current} {rates[current]:.1f}"
@@ -264,6 +267,10 @@ def run_tune(args: argparse.Namespace) -> None:
     print(")  # the last bucket's bound becomes math.inf")
     print("\nShapes where another configuration beats the current table's by > 5%:")
     print("\n".join(per_shape_lines) or "  none")
+    if args.json:  # the first M measured in a bucket decides its entry
+        rows = [["inf" if math.isinf(b) else b, n, k, c] for (b, n, k), c in shape_entries.items()]
+        bench_utils.write_gemm_tables(args.json, "fp8", rows)
+        print(f"wrote {len(rows)} SCALED_MM_SHAPE_CONFIGS entries to {args.json}")
 
 
 def main() -> None:
@@ -272,6 +279,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20, help="launches per CUDA graph")
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--tune", action="store_true", help="time every tile configuration")
+    parser.add_argument(
+        "--json",
+        help="with --tune: write the per-shape entries that beat the table by > 5% to this file "
+        "(latency.py --gemm-tables reads it)",
+    )
     parser.add_argument("--markdown", action="store_true", help="print a RESULTS.md table")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import sys
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
-from bench_utils import HBM_BYTES_PER_S
+from bench_utils import HBM_BYTES_PER_S, write_gemm_tables
 from sweep_skinny_gemm import CALLS, L2_BYTES, SHAPES, graph_us
 
 from v1_engine.kernels import gemm_cutlass, triton_gemv
@@ -74,7 +73,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", default="16,32,64,128", help="comma-separated rows")
     parser.add_argument("--shapes", default="qkv,o_proj,gate_up,down,lm_head")
-    parser.add_argument("--json", help="also write the GEMM_TUNED entries to this JSON file")
+    parser.add_argument(
+        "--json",
+        help="also write the GEMM_TUNED entries to this file (latency.py --gemm-tables reads it)",
+    )
     args = parser.parse_args()
     ms = [int(v) for v in args.m.split(",")]
     torch.manual_seed(0)
@@ -145,8 +147,7 @@ def main() -> None:
         print(f"    {key}: {value},")
     print("}")
     if args.json:
-        rows = [[*key, *value] for key, value in tuned.items()]
-        Path(args.json).write_text(json.dumps(rows))
+        write_gemm_tables(args.json, "bf16", [[*key, *value] for key, value in tuned.items()])
 
 
 if __name__ == "__main__":

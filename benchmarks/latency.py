@@ -26,6 +26,7 @@ from bench_utils import (
     HBM_BYTES_PER_S,
     ModelShape,
     append_results,
+    apply_gemm_tables,
     benchmark_max_model_len,
     measure_gemm_tflops,
     model_dir,
@@ -116,8 +117,17 @@ def main() -> None:
         "max_position_embeddings, as a server runs it), raised to what the run needs. Decode "
         "CUDA graphs are captured for this length, so it sets their split-KV factor",
     )
+    parser.add_argument(
+        "--gemm-tables",
+        default=None,
+        help="a JSON file of GEMM dispatch entries to add before the engine starts (written by "
+        "benchmark_gemm_bf16.py --json / benchmark_fp8_gemm.py --tune --json): the engine-level "
+        "A/B of a table change before it is committed",
+    )
     parser.add_argument("--append", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args()
+    if args.gemm_tables:
+        print(apply_gemm_tables(args.gemm_tables), flush=True)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     prefill_lens = [int(n) for n in args.prefill_lens.split(",") if n]
 

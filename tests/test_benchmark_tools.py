@@ -1,6 +1,7 @@
 """CPU-checkable pieces of the benchmark tools: benchmarks/ab_variants.py (each variant runs on
 its own patches over the unpatched tree, and the tree comes back after every run, a failing or
-timed-out one too) and the max_model_len the benchmarks give the engine."""
+timed-out one too), the max_model_len the benchmarks give the engine, and the GEMM table files
+(`write_gemm_tables` / `apply_gemm_tables`, latency.py --gemm-tables)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import ab_variants
-from bench_utils import benchmark_max_model_len
+from bench_utils import apply_gemm_tables, benchmark_max_model_len, write_gemm_tables
 
 
 def _run(tmp_path: Path, variants: list, command: str, *extra: str) -> str:
@@ -116,3 +117,30 @@ def test_make_variants_takes_files_from_a_commit(tmp_path):
     variants = json.loads((tmp_path / "ab.json").read_text())
     assert [name for name, _ in variants] == ["base", "HEAD", "base", "HEAD"]
     assert variants[1][1] == [["knob.py", "X = 1\n"]] and variants[0][1] == []
+
+
+def test_gemm_tables_round_trip_into_the_dispatch_tables(tmp_path, monkeypatch):
+    import math
+
+    from v1_engine.kernels import fp8_cutlass, gemm_cutlass
+
+    monkeypatch.setattr(gemm_cutlass, "GEMM_TUNED", {})
+    monkeypatch.setattr(fp8_cutlass, "SCALED_MM_SHAPE_CONFIGS", {(32, 1, 1): 0})
+    path = str(tmp_path / "tables.json")
+    write_gemm_tables(path, "bf16", [[64, 6144, 4096, 2, "stream_k", 1]])
+    write_gemm_tables(path, "fp8", [[32, 4096, 4096, 8], ["inf", 4096, 14336, 9]])
+    write_gemm_tables(path, "bf16", [[64, 4096, 4096, 3, "split_k", 2]])  # replaces its kind
+    assert "1 bf16 GEMM_TUNED entries, 2 FP8" in apply_gemm_tables(path)
+    assert gemm_cutlass.GEMM_TUNED == {(64, 4096, 4096): (3, "split_k", 2)}
+    assert fp8_cutlass.SCALED_MM_SHAPE_CONFIGS == {
+        (32, 1, 1): 0,
+        (32, 4096, 4096): 8,
+        (math.inf, 4096, 14336): 9,
+    }
+    assert gemm_cutlass.prefers(48, 4096, 4096) == gemm_cutlass.ENABLED
+    assert fp8_cutlass.scaled_mm_config(16, 4096, 4096) == 8
+    with pytest.raises(ValueError, match="kind must be 'bf16' or 'fp8'"):
+        write_gemm_tables(path, "int8", [])
+    (tmp_path / "bad.json").write_text(json.dumps({"fp16": []}))
+    with pytest.raises(ValueError, match=r"unknown table kinds \['fp16'\]"):
+        apply_gemm_tables(str(tmp_path / "bad.json"))
