@@ -41,6 +41,9 @@ LAUNCHES = (
     ("split_k", 3),
     ("split_k", 4),
     ("data_parallel", 1),
+    ("stream_k_unordered", 1),
+    ("split_k_unordered", 2),
+    ("split_k_unordered", 4),
 )
 
 

@@ -117,9 +117,11 @@ typename GemmKernelOf<typename TileById<kConfig>::type>::Gemm::Arguments make_ar
   using Decomposition = typename Scheduler::DecompositionMode;
   switch (p.decomposition) {
     case kGemmStreamK:
+    case kGemmStreamKUnordered:
       args.scheduler.decomposition_mode = Decomposition::StreamK;
       break;
     case kGemmSplitK:
+    case kGemmSplitKUnordered:
       args.scheduler.decomposition_mode = Decomposition::SplitK;
       args.scheduler.splits = p.splits;
       break;
@@ -130,7 +132,10 @@ typename GemmKernelOf<typename TileById<kConfig>::type>::Gemm::Arguments make_ar
       args.scheduler.decomposition_mode = Decomposition::Heuristic;
       break;
   }
-  args.scheduler.reduction_mode = Scheduler::ReductionMode::Deterministic;
+  const bool unordered =
+      p.decomposition == kGemmStreamKUnordered || p.decomposition == kGemmSplitKUnordered;
+  args.scheduler.reduction_mode = unordered ? Scheduler::ReductionMode::Nondeterministic
+                                            : Scheduler::ReductionMode::Deterministic;
   return args;
 }
 

@@ -17,13 +17,18 @@ namespace v1e {
 constexpr int kNumGemmConfigs = 5;
 
 // How the stream-K scheduler cuts the problem (v1e_gemm's `decomposition`).
+// Split tiles add their partial sums in a fixed order (each waits for the one before), so results
+// are the same run to run; the unordered variants let a tile's partials add atomically as they
+// arrive (less waiting, float sums in arrival order).
 enum GemmDecomposition {
-  kGemmHeuristic = 0,    // CUTLASS's choice between data-parallel and stream-K
-  kGemmStreamK = 1,      // every CTA the same share of K steps
-  kGemmSplitK = 2,       // every output tile split into `splits` K slices
-  kGemmDataParallel = 3  // one CTA per output tile, no reduction
+  kGemmHeuristic = 0,         // CUTLASS's choice between data-parallel and stream-K
+  kGemmStreamK = 1,           // every CTA the same share of K steps
+  kGemmSplitK = 2,            // every output tile split into `splits` K slices
+  kGemmDataParallel = 3,      // one CTA per output tile, no reduction
+  kGemmStreamKUnordered = 4,  // stream-K, partials added in arrival order
+  kGemmSplitKUnordered = 5    // split-K, partials added in arrival order
 };
-constexpr int kNumGemmDecompositions = 4;
+constexpr int kNumGemmDecompositions = 6;
 
 struct GemmParams {
   void* out;        // [m, n], row stride n

@@ -123,9 +123,11 @@ int check_gemm(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int co
   }
   if (decomposition < 0 || decomposition >= v1e::kNumGemmDecompositions) {
     return set_error("v1e_gemm: decomposition %d is outside [0, %d) (0 heuristic, 1 stream-K, "
-                     "2 split-K, 3 data-parallel)", decomposition, v1e::kNumGemmDecompositions);
+                     "2 split-K, 3 data-parallel, 4 stream-K unordered, 5 split-K unordered)",
+                     decomposition, v1e::kNumGemmDecompositions);
   }
-  if (decomposition == v1e::kGemmSplitK && splits < 1) {
+  if ((decomposition == v1e::kGemmSplitK || decomposition == v1e::kGemmSplitKUnordered) &&
+      splits < 1) {
     return set_error("v1e_gemm: split-K needs splits >= 1, got %d", splits);
   }
   return cudaSuccess;

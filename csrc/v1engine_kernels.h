@@ -159,7 +159,8 @@ V1E_API int v1e_gemm_workspace_size(int64_t m, int64_t n, int64_t k, int config,
  * (csrc/gemm_sm90.cu). out [M, N] dense; a rows lda apart, b rows ldb apart, K contiguous;
  * n, k, lda, ldb multiples of 8; out, a, b 16-byte aligned. config in
  * [0, v1e_gemm_num_configs()); decomposition 0 heuristic, 1 stream-K, 2 split-K into `splits`
- * slices, 3 data-parallel. workspace: as v1e_scaled_mm's (at least v1e_gemm_workspace_size
+ * slices, 3 data-parallel, 4 / 5 stream-K / split-K with the split tiles' partials added in
+ * arrival order (1 and 2 add them in a fixed order: the same result every run). workspace: as v1e_scaled_mm's (at least v1e_gemm_workspace_size
  * bytes, zeroed once by its owner, shared by calls ordered on one stream). pdl as
  * v1e_scaled_mm. Failures are recorded for v1e_fp8_gemm_error().
  */

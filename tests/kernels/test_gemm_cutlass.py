@@ -63,6 +63,8 @@ def test_launch_arguments_are_validated() -> None:
         gemm_cutlass._validate(0, "streamk", 1)
     with pytest.raises(ValueError, match="split_k needs splits >= 1, got 0"):
         gemm_cutlass._validate(0, "split_k", 0)
+    with pytest.raises(ValueError, match="split_k_unordered needs splits >= 1, got 0"):
+        gemm_cutlass._validate(0, "split_k_unordered", 0)
     assert gemm_cutlass._validate(2, "data_parallel", 1) == 3
 
 
@@ -90,8 +92,9 @@ _GEMM_ARGS = [0x1000, 0x2000, 0x3000, 64, 4096, 4096, 4096, 4096, 1, 2, 1, 1, 0x
         ({6: 4088}, "lda (4088) and ldb (4096) must be >= k (4096) and multiples of 8"),
         ({8: 0}, "dtype code 0 is not bfloat16 (1), the one type it has"),
         ({9: gemm_cutlass.NUM_CONFIGS}, f"config {gemm_cutlass.NUM_CONFIGS} is outside [0, 5)"),
-        ({10: 4}, "decomposition 4 is outside [0, 4)"),
+        ({10: 6}, "decomposition 6 is outside [0, 6)"),
         ({10: 2, 11: 0}, "split-K needs splits >= 1, got 0"),
+        ({10: 5, 11: 0}, "split-K needs splits >= 1, got 0"),
         ({1: 0x2008}, "a (0x2008)"),
         ({12: None}, "a workspace of 1024 bytes at (nil): it must be none (0 bytes) or non-null"),
         ({12: 0x4010}, "a workspace of 1024 bytes at 0x4010"),
@@ -125,7 +128,14 @@ def test_workspace_size_entry_checks_its_arguments() -> None:
 
 LLAMA_8B = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
             "down": (4096, 14336)}  # fmt: skip
-LAUNCHES = [("heuristic", 1), ("stream_k", 1), ("split_k", 3), ("data_parallel", 1)]
+LAUNCHES = [
+    ("heuristic", 1),
+    ("stream_k", 1),
+    ("split_k", 3),
+    ("data_parallel", 1),
+    ("stream_k_unordered", 1),
+    ("split_k_unordered", 2),
+]
 
 
 def _require_kernel() -> None:

@@ -37,8 +37,17 @@ NUM_CONFIGS = 5
 CONFIG_ROWS = (16, 32, 64, 64, 128)
 """The M rows each configuration's tile holds; a tile narrower than M loops over M tiles."""
 
-DECOMPOSITIONS = {"heuristic": 0, "stream_k": 1, "split_k": 2, "data_parallel": 3}
-"""How the scheduler cuts the problem (v1e_gemm's `decomposition`)."""
+DECOMPOSITIONS = {
+    "heuristic": 0,
+    "stream_k": 1,
+    "split_k": 2,
+    "data_parallel": 3,
+    "stream_k_unordered": 4,
+    "split_k_unordered": 5,
+}
+"""How the scheduler cuts the problem (v1e_gemm's `decomposition`). Split tiles add their
+partials in a fixed order (the same result every run); the `_unordered` variants add them
+atomically in arrival order (less waiting; float sums may differ run to run)."""
 
 GEMM_TUNED: dict[tuple[int, int, int], tuple[int, str, int]] = {}
 """(M bucket, N, K) -> (config, decomposition, splits) for the shapes where this kernel beat
@@ -121,8 +130,8 @@ def _validate(config: int, decomposition: str, splits: int) -> int:
         raise ValueError(
             f"decomposition must be one of {sorted(DECOMPOSITIONS)}, got {decomposition!r}"
         )
-    if decomposition == "split_k" and splits < 1:
-        raise ValueError(f"split_k needs splits >= 1, got {splits}")
+    if decomposition.startswith("split_k") and splits < 1:
+        raise ValueError(f"{decomposition} needs splits >= 1, got {splits}")
     return DECOMPOSITIONS[decomposition]
 
 
