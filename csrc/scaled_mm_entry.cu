@@ -158,6 +158,10 @@ int dispatch_scaled_mm(const v1e::ScaledMmParams& params, int config) {
       return v1e::scaled_mm_run<kDtype, 8>(params);
     case 9:
       return v1e::scaled_mm_run<kDtype, 9>(params);
+    case 10:
+      return v1e::scaled_mm_run<kDtype, 10>(params);
+    case 11:
+      return v1e::scaled_mm_run<kDtype, 11>(params);
     default:
       return v1e::set_error("v1e_scaled_mm: config %d has no kernel", config);
   }

@@ -1,8 +1,10 @@
-// Instantiates the fp16-output per-channel FP8 GEMM's stream-K tile configurations 8 9 (see
+// Instantiates the fp16-output per-channel FP8 GEMM's stream-K tile configurations 8-11 (see
 // scaled_mm_sm90.cuh); split across files so each nvcc job stays at a few kernels.
 #include "scaled_mm_sm90.cuh"
 
 namespace v1e {
 template int scaled_mm_run<V1E_DTYPE_FLOAT16, 8>(const ScaledMmParams&);
 template int scaled_mm_run<V1E_DTYPE_FLOAT16, 9>(const ScaledMmParams&);
+template int scaled_mm_run<V1E_DTYPE_FLOAT16, 10>(const ScaledMmParams&);
+template int scaled_mm_run<V1E_DTYPE_FLOAT16, 11>(const ScaledMmParams&);
 }  // namespace v1e

@@ -48,15 +48,17 @@ using OutputElement =
     std::conditional_t<kDtype == V1E_DTYPE_BFLOAT16, cutlass::bfloat16_t, cutlass::half_t>;
 
 // One tile configuration of the per-channel GEMM. Stream-K configurations (cooperative only)
-// take a workspace; the others none.
+// take a workspace; the others none. A stream-K configuration's split tiles add their partials
+// in a fixed order (kOrdered: the same result every run) or atomically in arrival order.
 template <class TileShape_, class ClusterShape_, bool kCooperative_, bool kSwapAB_,
-          bool kStreamK_ = false>
+          bool kStreamK_ = false, bool kOrdered_ = true>
 struct TileConfig {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
   static constexpr bool kCooperative = kCooperative_;
   static constexpr bool kSwapAB = kSwapAB_;
   static constexpr bool kStreamK = kStreamK_;
+  static constexpr bool kOrdered = kOrdered_;
   static_assert(!kStreamK || kCooperative, "CUTLASS runs stream-K in cooperative kernels only");
 };
 
@@ -90,6 +92,12 @@ struct ConfigById<8>
 template <>  // M <= 64
 struct ConfigById<9>
     : TileConfig<Shape<_128, _64, _128>, Shape<_1, _1, _1>, true, true, true> {};
+template <>  // 8 with the partials added in arrival order
+struct ConfigById<10>
+    : TileConfig<Shape<_128, _16, _128>, Shape<_1, _1, _1>, true, true, true, false> {};
+template <>  // 9 with the partials added in arrival order
+struct ConfigById<11>
+    : TileConfig<Shape<_128, _64, _128>, Shape<_1, _1, _1>, true, true, true, false> {};
 
 template <class ElementD, class Config>
 struct ScaledMmKernel {
@@ -225,7 +233,9 @@ int run_scaled_mm(const ScaledMmParams& p) {
                                 hw_info};
   if constexpr (Config::kStreamK) {
     args.scheduler.decomposition_mode = GemmKernel::TileScheduler::DecompositionMode::StreamK;
-    args.scheduler.reduction_mode = GemmKernel::TileScheduler::ReductionMode::Deterministic;
+    using ReductionMode = typename GemmKernel::TileScheduler::ReductionMode;
+    args.scheduler.reduction_mode =
+        Config::kOrdered ? ReductionMode::Deterministic : ReductionMode::Nondeterministic;
     if (p.workspace_query != nullptr) {
       size_t partials = 0;
       return stream_k_workspace<Gemm>(args, p.workspace_query, &partials,

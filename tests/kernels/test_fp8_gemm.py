@@ -252,9 +252,9 @@ def test_scaled_mm_entry_names_the_failed_check() -> None:
     assert lib.v1e_scaled_mm(*args) == CUDA_ERROR_INVALID_VALUE
     assert "a workspace of 1024 bytes at 0x6008" in lib.v1e_fp8_gemm_error().decode()
     size = ctypes.c_int64(-1)
-    code = lib.v1e_scaled_mm_workspace_size(64, 4096, 4096, 1, 10, ctypes.byref(size))
+    code = lib.v1e_scaled_mm_workspace_size(64, 4096, 4096, 1, 12, ctypes.byref(size))
     assert code == CUDA_ERROR_INVALID_VALUE
-    assert "config 10 is outside [0, 10)" in lib.v1e_fp8_gemm_error().decode()
+    assert "config 12 is outside [0, 12)" in lib.v1e_fp8_gemm_error().decode()
 
 
 # ----- CUTLASS kernels on the GPU --------------------------------------------------------------

@@ -29,6 +29,11 @@ def sass_by_function(cuobjdump: str, library: str) -> dict[str, str]:
     return dict(zip(sections[1::2], sections[2::2]))
 
 
+# Per-channel configurations that launch another configuration's kernel: 10 and 11 are 8 and 9
+# with the stream-K partials added in arrival order, a launch argument (csrc/scaled_mm_sm90.cuh).
+SAME_KERNEL_CONFIGS = 2
+
+
 def test_every_cutlass_gemm_kernel_has_qgmma() -> None:
     lib = _C.load_library()
     if lib is None:
@@ -44,7 +49,8 @@ def test_every_cutlass_gemm_kernel_has_qgmma() -> None:
     # The FP8 GEMMs' operands are e4m3; the bf16 GEMM's (csrc/gemm_sm90.cu) are not.
     fp8 = {name: body for name, body in gemms.items() if "float_e4m3_t" in name}
     bf16 = {name: body for name, body in gemms.items() if name not in fp8}
-    expected = NUM_OUTPUT_DTYPES * (lib.v1e_scaled_mm_num_configs() + NUM_BLOCK_SCALED_CONFIGS)
+    distinct = lib.v1e_scaled_mm_num_configs() - SAME_KERNEL_CONFIGS
+    expected = NUM_OUTPUT_DTYPES * (distinct + NUM_BLOCK_SCALED_CONFIGS)
     assert len(fp8) == expected, sorted(fp8)
     without_qgmma = [name for name, body in fp8.items() if "QGMMA" not in body]
     assert not without_qgmma, without_qgmma
