@@ -33,7 +33,6 @@ int v1e::set_error(const char* format, ...) {
 
 namespace {
 
-constexpr int kMaxDevices = 64;
 constexpr int64_t kTmaElements = 16;  // 16-byte rows of e4m3
 
 bool is_output_dtype(int dtype) {
@@ -41,6 +40,10 @@ bool is_output_dtype(int dtype) {
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+#ifdef V1E_WITH_CUTLASS
+
+constexpr int kMaxDevices = 64;
 
 // The current device and its SM count (cached: the persistent tile scheduler sizes its grid by
 // it, and querying the device on every call would cost a driver round trip).
@@ -57,6 +60,17 @@ cudaError_t current_device(int* device, int* sm_count) {
   *sm_count = cached_sm_count[*device];
   return cudaSuccess;
 }
+
+// current_device with a failure recorded for v1e_fp8_gemm_error().
+int query_device(int* device, int* sm_count) {
+  const cudaError_t error = current_device(device, sm_count);
+  if (error != cudaSuccess) {
+    v1e::set_error("cannot query the current device: %s", cudaGetErrorString(error));
+  }
+  return error;
+}
+
+#endif  // V1E_WITH_CUTLASS
 
 // Sizes shared by both GEMMs; the kernels index with int, so every extent must fit one.
 // Returns cudaSuccess, or cudaErrorInvalidValue with the first violated requirement recorded.
@@ -216,11 +230,8 @@ int v1e_scaled_mm_workspace_size(int64_t m, int64_t n, int64_t k, int out_dtype,
   v1e::ScaledMmParams params{placeholder, placeholder, placeholder, scales, scales, nullptr,
                              m, n, k, k, k, true, true, 0, 0, nullptr, false};
   params.workspace_query = &size;
-  const cudaError_t error = current_device(&params.device, &params.sm_count);
-  if (error != cudaSuccess) {
-    v1e::set_error("cannot query the current device: %s", cudaGetErrorString(error));
-    return error;
-  }
+  const int device_status = query_device(&params.device, &params.sm_count);
+  if (device_status != cudaSuccess) return device_status;
   const int result = out_dtype == V1E_DTYPE_BFLOAT16
                          ? dispatch_scaled_mm<V1E_DTYPE_BFLOAT16>(params, config)
                          : dispatch_scaled_mm<V1E_DTYPE_FLOAT16>(params, config);
@@ -255,11 +266,8 @@ int v1e_scaled_mm(void* out, const void* a, const void* b, const float* scale_a,
                              static_cast<cudaStream_t>(stream), pdl != 0};
   params.workspace = workspace;
   params.workspace_bytes = static_cast<size_t>(workspace_bytes);
-  const cudaError_t error = current_device(&params.device, &params.sm_count);
-  if (error != cudaSuccess) {
-    v1e::set_error("cannot query the current device: %s", cudaGetErrorString(error));
-    return error;
-  }
+  const int device_status = query_device(&params.device, &params.sm_count);
+  if (device_status != cudaSuccess) return device_status;
   if (out_dtype == V1E_DTYPE_BFLOAT16) {
     return dispatch_scaled_mm<V1E_DTYPE_BFLOAT16>(params, config);
   }
@@ -304,11 +312,8 @@ int v1e_block_scaled_mm(void* out, const void* a, const void* b, const float* sc
 #ifdef V1E_WITH_CUTLASS
   v1e::BlockScaledMmParams params{out, a, b, scale_a, scale_b, m, n, k, lda, ldb, ld_scale_a,
                                   0, 0, static_cast<cudaStream_t>(stream), pdl != 0};
-  const cudaError_t error = current_device(&params.device, &params.sm_count);
-  if (error != cudaSuccess) {
-    v1e::set_error("cannot query the current device: %s", cudaGetErrorString(error));
-    return error;
-  }
+  const int device_status = query_device(&params.device, &params.sm_count);
+  if (device_status != cudaSuccess) return device_status;
   if (out_dtype == V1E_DTYPE_BFLOAT16) {
     return dispatch_block_scaled_mm<V1E_DTYPE_BFLOAT16>(params);
   }
@@ -341,11 +346,8 @@ int v1e_gemm_workspace_size(int64_t m, int64_t n, int64_t k, int config, int dec
   params.lda = params.ldb = k;
   params.decomposition = decomposition;
   params.splits = splits;
-  const cudaError_t error = current_device(&params.device, &params.sm_count);
-  if (error != cudaSuccess) {
-    v1e::set_error("cannot query the current device: %s", cudaGetErrorString(error));
-    return error;
-  }
+  const int device_status = query_device(&params.device, &params.sm_count);
+  if (device_status != cudaSuccess) return device_status;
   size_t size = 0;
   const int result = v1e::gemm_workspace_size(params, config, &size);
   *bytes = static_cast<int64_t>(size);
@@ -379,11 +381,8 @@ int v1e_gemm(void* out, const void* a, const void* b, int64_t m, int64_t n, int6
   v1e::GemmParams params{out, a, b, m, n, k, lda, ldb, decomposition, splits, workspace,
                          static_cast<size_t>(workspace_bytes), 0, 0,
                          static_cast<cudaStream_t>(stream), pdl != 0};
-  const cudaError_t error = current_device(&params.device, &params.sm_count);
-  if (error != cudaSuccess) {
-    v1e::set_error("cannot query the current device: %s", cudaGetErrorString(error));
-    return error;
-  }
+  const int device_status = query_device(&params.device, &params.sm_count);
+  if (device_status != cudaSuccess) return device_status;
   return v1e::gemm_run(params, config);
 #else
   (void)pdl;
