@@ -17,7 +17,7 @@ import os
 import torch
 
 from v1_engine.kernels import _C
-from v1_engine.kernels.gemm_cutlass import device_workspace
+from v1_engine.kernels.gemm_cutlass import check_gemm_status, device_workspace
 from v1_engine.kernels.pdl import use_pdl
 
 SCALED_MM_DISPATCH: tuple[tuple[int, int], ...] = (
@@ -279,15 +279,6 @@ def block_scaled_mm_cutlass(
         )
     check_gemm_status(lib, code, "v1e_block_scaled_mm")
     return out
-
-
-def check_gemm_status(lib: ctypes.CDLL, code: int, entry_point: str) -> None:
-    """Raises RuntimeError with the CUDA code's text and the library's account of which check
-    refused the call (an argument check or a CUTLASS can_implement stage), when it failed."""
-    if code != 0:
-        status = lib.v1e_error_string(code).decode(errors="replace")
-        reason = lib.v1e_fp8_gemm_error().decode(errors="replace") or "no reason recorded"
-        raise RuntimeError(f"{entry_point} failed with CUDA error {code} ({status}): {reason}")
 
 
 def _m_major_scales(scale_a: torch.Tensor) -> torch.Tensor:

@@ -116,7 +116,10 @@ def tuned_launch(m: int, n: int, k: int) -> tuple[int, str, int]:
     return GEMM_TUNED[(m_bucket(m), n, k)]
 
 
-def _check(lib: ctypes.CDLL, code: int, entry_point: str) -> None:
+def check_gemm_status(lib: ctypes.CDLL, code: int, entry_point: str) -> None:
+    """Raises RuntimeError with the CUDA code's text and the library's account of which check
+    refused the call (an argument check or a CUTLASS can_implement stage), when it failed; the
+    FP8 GEMMs' calls (kernels/fp8_cutlass.py) report through it too."""
     if code != 0:
         status = lib.v1e_error_string(code).decode(errors="replace")
         reason = lib.v1e_fp8_gemm_error().decode(errors="replace") or "no reason recorded"
@@ -152,7 +155,7 @@ def _workspace_bytes(
         raise RuntimeError("the kernel library was built without the CUTLASS GEMMs")
     size = ctypes.c_int64(0)
     code = lib.v1e_gemm_workspace_size(m, n, k, config, mode, splits, ctypes.byref(size))
-    _check(lib, code, "v1e_gemm_workspace_size")
+    check_gemm_status(lib, code, "v1e_gemm_workspace_size")
     return size.value
 
 
@@ -218,5 +221,5 @@ def gemm(
             int(use_pdl(x.device)),
             torch.cuda.current_stream().cuda_stream,
         )
-    _check(lib, code, "v1e_gemm")
+    check_gemm_status(lib, code, "v1e_gemm")
     return out
