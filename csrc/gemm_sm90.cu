@@ -13,6 +13,10 @@
 //
 // The workspace: stream_k_sm90.cuh's scheduler leaves its locks zero after every call, so the
 // caller zeroes it once and calls ordered on one stream share it (no memset in the graph).
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
@@ -65,27 +69,13 @@ struct GemmKernelOf {
 };
 
 // Tile shapes by configuration id: (weight rows, activation rows, K step). See gemm_sm90.h.
+using TileShapes = std::tuple<Shape<_128, _16, _128>, Shape<_128, _32, _128>,
+                              Shape<_128, _64, _64>, Shape<_128, _64, _128>,
+                              Shape<_128, _128, _64>>;
+static_assert(std::tuple_size_v<TileShapes> == kNumGemmConfigs);
 template <int kConfig>
-struct TileById;
-template <>
-struct TileById<0> {
-  using type = Shape<_128, _16, _128>;
-};
-template <>
-struct TileById<1> {
-  using type = Shape<_128, _32, _128>;
-};
-template <>
-struct TileById<2> {
-  using type = Shape<_128, _64, _64>;
-};
-template <>
-struct TileById<3> {
-  using type = Shape<_128, _64, _128>;
-};
-template <>
-struct TileById<4> {
-  using type = Shape<_128, _128, _64>;
+struct TileById {
+  using type = std::tuple_element_t<kConfig, TileShapes>;
 };
 
 template <int kConfig>
@@ -155,40 +145,32 @@ int run(const GemmParams& p) {
                                      p.pdl, "v1e_gemm");
 }
 
+// Calls body(std::integral_constant<int, config>{}) for a configuration id.
+template <class Body, int... kConfigs>
+int with_config(int config, Body&& body, std::integer_sequence<int, kConfigs...>) {
+  int result = cudaSuccess;
+  const bool found =
+      ((config == kConfigs && (result = body(std::integral_constant<int, kConfigs>{}), true)) ||
+       ...);
+  return found ? result : set_error("v1e_gemm: config %d has no kernel", config);
+}
+
+template <class Body>
+int with_config(int config, Body&& body) {
+  return with_config(config, body, std::make_integer_sequence<int, kNumGemmConfigs>{});
+}
+
 }  // namespace sm90_gemm
 
 int gemm_run(const GemmParams& params, int config) {
-  switch (config) {
-    case 0:
-      return sm90_gemm::run<0>(params);
-    case 1:
-      return sm90_gemm::run<1>(params);
-    case 2:
-      return sm90_gemm::run<2>(params);
-    case 3:
-      return sm90_gemm::run<3>(params);
-    case 4:
-      return sm90_gemm::run<4>(params);
-    default:
-      return set_error("v1e_gemm: config %d has no kernel", config);
-  }
+  return sm90_gemm::with_config(
+      config, [&](auto id) { return sm90_gemm::run<decltype(id)::value>(params); });
 }
 
 int gemm_workspace_size(const GemmParams& params, int config, size_t* bytes) {
-  switch (config) {
-    case 0:
-      return sm90_gemm::workspace_size<0>(params, bytes);
-    case 1:
-      return sm90_gemm::workspace_size<1>(params, bytes);
-    case 2:
-      return sm90_gemm::workspace_size<2>(params, bytes);
-    case 3:
-      return sm90_gemm::workspace_size<3>(params, bytes);
-    case 4:
-      return sm90_gemm::workspace_size<4>(params, bytes);
-    default:
-      return set_error("v1e_gemm: config %d has no kernel", config);
-  }
+  return sm90_gemm::with_config(config, [&](auto id) {
+    return sm90_gemm::workspace_size<decltype(id)::value>(params, bytes);
+  });
 }
 
 }  // namespace v1e
