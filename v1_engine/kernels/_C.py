@@ -158,7 +158,7 @@ def _declare_fp8_gemm_signatures(lib: ctypes.CDLL) -> None:
         _i64,  # n
         _i64,  # k
         ctypes.c_int,  # tile configuration id
-        ctypes.c_int,  # decomposition (0 heuristic, 1 stream-K, 2 split-K, 3 data-parallel)
+        ctypes.c_int,  # decomposition (gemm_cutlass.DECOMPOSITIONS)
         ctypes.c_int,  # splits (split-K)
         ctypes.POINTER(_i64),  # bytes (out)
     ]

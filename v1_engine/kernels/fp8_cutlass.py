@@ -17,7 +17,7 @@ import os
 import torch
 
 from v1_engine.kernels import _C
-from v1_engine.kernels.gemm_cutlass import check_gemm_status, device_workspace
+from v1_engine.kernels.gemm_cutlass import check_gemm_status, device_workspace, query_bytes
 from v1_engine.kernels.pdl import use_pdl
 
 SCALED_MM_DISPATCH: tuple[tuple[int, int], ...] = (
@@ -195,11 +195,7 @@ def _launch_scaled_mm(
 def _workspace_bytes(index: int, m: int, n: int, k: int, dtype_code: int, config: int) -> int:
     """Workspace bytes of a stream-K configuration for this problem on device `index` (cached:
     the library computes it with CUTLASS's stream-K heuristics on the host)."""
-    lib = _library()
-    size = ctypes.c_int64(0)
-    code = lib.v1e_scaled_mm_workspace_size(m, n, k, dtype_code, config, ctypes.byref(size))
-    check_gemm_status(lib, code, "v1e_scaled_mm_workspace_size")
-    return size.value
+    return query_bytes(_library(), "v1e_scaled_mm_workspace_size", m, n, k, dtype_code, config)
 
 
 def fits_gemv(

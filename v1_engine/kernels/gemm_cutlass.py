@@ -12,8 +12,9 @@ other shape keeps its previous kernel. V1ENGINE_CUTLASS_GEMM=0 turns it off (A/B
 
 The workspace: one zeroed buffer per device, shared by every call on that device's stream, the
 FP8 GEMM's stream-K configurations included: its last 1 MiB holds the split tiles' locks, which
-every call leaves zero, the rest is scratch for partial sums (csrc/stream_k_sm90.cuh). It grows outside CUDA graph capture only;
-graphs keep the buffer they captured alive through `_WORKSPACES`.
+every call leaves zero, the rest is scratch for partial sums (csrc/stream_k_sm90.cuh). It grows
+outside CUDA graph capture only; graphs keep the buffer they captured alive through
+`_WORKSPACES`.
 """
 
 from __future__ import annotations
@@ -153,9 +154,14 @@ def _workspace_bytes(
     lib = _library()
     if lib is None:
         raise RuntimeError("the kernel library was built without the CUTLASS GEMMs")
+    return query_bytes(lib, "v1e_gemm_workspace_size", m, n, k, config, mode, splits)
+
+
+def query_bytes(lib: ctypes.CDLL, entry_point: str, *args: int) -> int:
+    """Calls a `*_workspace_size` entry point (its sizes, then the int64 it writes) and returns
+    the bytes; raises as check_gemm_status does."""
     size = ctypes.c_int64(0)
-    code = lib.v1e_gemm_workspace_size(m, n, k, config, mode, splits, ctypes.byref(size))
-    check_gemm_status(lib, code, "v1e_gemm_workspace_size")
+    check_gemm_status(lib, getattr(lib, entry_point)(*args, ctypes.byref(size)), entry_point)
     return size.value
 
 
