@@ -281,7 +281,7 @@ def main() -> None:
     parser.add_argument("--tune", action="store_true", help="time every tile configuration")
     parser.add_argument(
         "--json",
-        help="with --tune: write the per-shape entries that beat the table by > 5% to this file "
+        help="with --tune: write the per-shape entries that beat the table by > 5%% to this file "
         "(latency.py --gemm-tables reads it)",
     )
     parser.add_argument("--markdown", action="store_true", help="print a RESULTS.md table")
