@@ -86,8 +86,14 @@ def batched_decode_attention(
     query [R, Hq, D]; each request attends to its first seq_lens[r] cached tokens. Padding
     positions gather the request's own first token (already written, so never garbage from
     another request) and are masked out, so padding never changes a result.
+
+    The rows are gathered with one index_select over the cache's token rows (several times
+    faster on CPU than advanced indexing with a 2-D index), and the query heads of a kv head
+    are the query rows of one SDPA head ([R, Hkv, group, D] against [R, Hkv, L, D]), so K and
+    V are read in place of the gathered copy, never expanded per query head.
     """
     block_size, num_kv_heads, head_size = kv_cache.shape[2:]
+    num_rows, num_heads = query.shape[:2]
     seq_lens = seq_lens.to(query.device).long()
     max_len = int(seq_lens.max())
     positions = torch.arange(max_len, device=query.device)
@@ -95,15 +101,18 @@ def batched_decode_attention(
     positions = torch.where(valid, positions[None, :], 0)
     table = block_table.long().to(query.device)
     slots = table.gather(1, positions // block_size) * block_size + positions % block_size
-    flat = kv_cache.view(2, -1, num_kv_heads, head_size)
-    k, v = _dequantized(flat[0][slots], flat[1][slots], k_scale, v_scale)
-    k = k.float().transpose(1, 2)  # [R, Hkv, L, D]
-    v = v.float().transpose(1, 2)
-    q = query.float()[:, :, None, :]  # [R, Hq, 1, D]
+    slots = slots.view(-1)
+
+    def read(part: int) -> torch.Tensor:  # [R, Hkv, L, D], a transposed view of the copy
+        rows = kv_cache[part].view(-1, num_kv_heads * head_size).index_select(0, slots)
+        return rows.view(num_rows, max_len, num_kv_heads, head_size).transpose(1, 2)
+
+    k, v = _dequantized(read(0), read(1), k_scale, v_scale)
+    q = query.float().view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_size)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+        q, k.float(), v.float(), attn_mask=valid[:, None, None, :], scale=scale
     )
-    return out[:, :, 0].to(query.dtype)
+    return out.reshape(num_rows, num_heads, head_size).to(query.dtype)
 
 
 class CPUAttentionBackend:
