@@ -12,7 +12,7 @@ namespace v1e {
 
 // Tile configurations of the per-tensor / per-channel GEMM (ids of v1e_scaled_mm's `config`).
 // The table of which id serves which M lives on the Python side (fp8.SCALED_MM_DISPATCH).
-constexpr int kNumScaledMmConfigs = 12;
+constexpr int kNumScaledMmConfigs = 14;
 // Configurations of the block-scaled GEMM, picked here by M (64-row tiles for small M).
 constexpr int kNumBlockScaledConfigs = 2;
 constexpr int kBlockScaledSmallMMax = 64;

@@ -176,6 +176,10 @@ int dispatch_scaled_mm(const v1e::ScaledMmParams& params, int config) {
       return v1e::scaled_mm_run<kDtype, 10>(params);
     case 11:
       return v1e::scaled_mm_run<kDtype, 11>(params);
+    case 12:
+      return v1e::scaled_mm_run<kDtype, 12>(params);
+    case 13:
+      return v1e::scaled_mm_run<kDtype, 13>(params);
     default:
       return v1e::set_error("v1e_scaled_mm: config %d has no kernel", config);
   }

@@ -98,6 +98,14 @@ struct ConfigById<10>
 template <>  // 9 with the partials added in arrival order
 struct ConfigById<11>
     : TileConfig<Shape<_128, _64, _128>, Shape<_1, _1, _1>, true, true, true, false> {};
+// M <= 16 with 256-deep K steps (config 0's depth, which won the decode rows among the
+// data-parallel tiles): half the pipeline iterations of 8, twice the bytes per TMA load.
+template <>
+struct ConfigById<12>
+    : TileConfig<Shape<_128, _16, _256>, Shape<_1, _1, _1>, true, true, true> {};
+template <>  // 12 with the partials added in arrival order
+struct ConfigById<13>
+    : TileConfig<Shape<_128, _16, _256>, Shape<_1, _1, _1>, true, true, true, false> {};
 
 template <class ElementD, class Config>
 struct ScaledMmKernel {

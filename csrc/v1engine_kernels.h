@@ -69,7 +69,7 @@ V1E_API int v1e_has_fp8_gemm(void);
 V1E_API int v1e_scaled_mm_num_configs(void);
 
 /* The workspace v1e_scaled_mm needs for an m x n x k problem in this configuration, in *bytes:
- * 0 except for the stream-K configurations (8-11). Failures are recorded for
+ * 0 except for the stream-K configurations (8-13). Failures are recorded for
  * v1e_fp8_gemm_error(). */
 V1E_API int v1e_scaled_mm_workspace_size(int64_t m, int64_t n, int64_t k, int out_dtype,
                                          int config, int64_t* bytes);
@@ -90,7 +90,7 @@ V1E_API const char* v1e_fp8_gemm_error(void);
  * scale_b:  fp32, N values when scale_b_per_col, else 1.
  * bias:     [N] of out_dtype, or NULL.
  * config:   tile configuration id in [0, v1e_scaled_mm_num_configs()); the caller picks it by M.
- * workspace: for the stream-K configurations (8-11), at least v1e_scaled_mm_workspace_size
+ * workspace: for the stream-K configurations (8-13), at least v1e_scaled_mm_workspace_size
  *           bytes, 256-byte aligned, a multiple of 256 bytes, ZEROED ONCE by its owner: its
  *           last 1 MiB holds the split tiles' locks, which every call leaves zero, the rest is
  *           scratch; so calls ordered on one stream may share it (with v1e_gemm too),

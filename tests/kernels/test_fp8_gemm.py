@@ -235,6 +235,12 @@ def test_block_scaled_mm_entry_names_the_failed_check(overrides: dict, match: st
         fp8_cutlass.check_gemm_status(lib, code, "v1e_block_scaled_mm")
 
 
+def test_config_count_matches_the_library() -> None:
+    lib = _library_or_skip()
+    assert lib.v1e_scaled_mm_num_configs() == fp8_cutlass.NUM_SCALED_MM_CONFIGS
+    assert set(fp8_cutlass.STREAM_K_CONFIGS) < set(range(fp8_cutlass.NUM_SCALED_MM_CONFIGS))
+
+
 def test_scaled_mm_entry_names_the_failed_check() -> None:
     lib = _library_or_skip()
     args = [0x1000, 0x2000, 0x3000, 0x4000, 0x5000, None, 4, 64, 64, 64, 64, 1, 1, 1, 0, None, 0]
@@ -252,9 +258,10 @@ def test_scaled_mm_entry_names_the_failed_check() -> None:
     assert lib.v1e_scaled_mm(*args) == CUDA_ERROR_INVALID_VALUE
     assert "a workspace of 1024 bytes at 0x6008" in lib.v1e_fp8_gemm_error().decode()
     size = ctypes.c_int64(-1)
-    code = lib.v1e_scaled_mm_workspace_size(64, 4096, 4096, 1, 12, ctypes.byref(size))
+    num = fp8_cutlass.NUM_SCALED_MM_CONFIGS
+    code = lib.v1e_scaled_mm_workspace_size(64, 4096, 4096, 1, num, ctypes.byref(size))
     assert code == CUDA_ERROR_INVALID_VALUE
-    assert "config 12 is outside [0, 12)" in lib.v1e_fp8_gemm_error().decode()
+    assert f"config {num} is outside [0, {num})" in lib.v1e_fp8_gemm_error().decode()
 
 
 # ----- CUTLASS kernels on the GPU --------------------------------------------------------------
@@ -273,6 +280,15 @@ def assert_gemm_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert relative_error(got, want) < 1e-2
     scale = want.float().abs().amax().item()
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2 * scale)
+
+
+@pytest.mark.gpu
+def test_only_stream_k_configs_take_a_workspace_gpu() -> None:
+    lib = _library_or_skip()
+    for config in range(fp8_cutlass.NUM_SCALED_MM_CONFIGS):  # o_proj at M = 16: tiles split
+        size = ctypes.c_int64(-1)
+        assert lib.v1e_scaled_mm_workspace_size(16, 4096, 4096, 1, config, ctypes.byref(size)) == 0
+        assert (size.value > 0) == (config in fp8_cutlass.STREAM_K_CONFIGS), config
 
 
 @pytest.mark.gpu

@@ -85,12 +85,13 @@ NUM_GEMV_CONFIGS = 7
 """Launch configurations compiled into the library (ids 0..6; 5 and 6 persistent grids of one
 block per SM), see csrc/fp8_gemv.cu."""
 
-NUM_SCALED_MM_CONFIGS = 12
-"""Tile configurations compiled into the library (ids 0..11), see csrc/scaled_mm_sm90.cuh."""
+NUM_SCALED_MM_CONFIGS = 14
+"""Tile configurations compiled into the library (ids 0..13), see csrc/scaled_mm_sm90.cuh."""
 
-STREAM_K_CONFIGS = (8, 9, 10, 11)
-"""The configurations with a stream-K scheduler (128 x 16 and 128 x 64 swapped cooperative
-tiles; 8 / 9 add a split tile's partials in a fixed order, 10 / 11 atomically as they arrive):
+STREAM_K_CONFIGS = (8, 9, 10, 11, 12, 13)
+"""The configurations with a stream-K scheduler (swapped cooperative tiles 128 x 16 x 128,
+128 x 64 x 128 and 128 x 16 x 256; 8 / 9 / 12 add a split tile's partials in a fixed order,
+10 / 11 / 13 atomically as they arrive):
 they take the device's shared workspace (kernels/gemm_cutlass.device_workspace). Not in the
 dispatch tables until measured (`benchmark_fp8_gemm.py --tune`)."""
 
