@@ -43,7 +43,10 @@ class CompileStats:
     """What compiling cost; the runner logs it in the startup breakdown."""
 
     num_traces: int = 0
-    """Graphs Dynamo handed to the backend: 1 for a healthy run, more means a recompile."""
+    """Graphs the backend compiled: Dynamo's trace, or the graph an earlier start saved (then
+    `loaded`); 1 for a healthy run, more means a recompile."""
+    loaded: bool = False
+    """The forward came from the compile cache's saved artifact: no Dynamo trace this start."""
     num_pieces: int = 0
     """Compute pieces (the graph between attention ops), each run by a compiled callable."""
     num_compiled: int = 0
@@ -350,16 +353,41 @@ class PiecewiseBackend:
         self.stats = CompileStats()
         self.split_module: fx.GraphModule | None = None
         self.graph_state = PiecewiseState() if cudagraphs else None
+        self.serializable = False
+        """Return a PiecewiseArtifact (compile/aot.py) rather than the bare split module."""
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """Dynamo's entry: passes, split, compile. With `serializable` set (the trace of an
+        ahead-of-time compile, compile/aot.py) it only runs the passes and returns the graph
+        pickled, uncompiled: the caller saves it and compiles it through `compile_loaded`, as
+        every later start will, so they find Inductor's cache entries for exactly that graph."""
+        self._count_trace()
+        for name, graph_pass in self.passes:
+            self.stats.pass_matches[name] = int(graph_pass(gm) or 0)
+        if self.serializable:
+            from compile.aot import PiecewiseArtifact, pickle_graph
+
+            return PiecewiseArtifact(None, pickle_graph(gm), self.stats.pass_matches)
+        return self._split_and_compile(gm, example_inputs)
+
+    def compile_loaded(
+        self, gm: fx.GraphModule, example_inputs: list[Any], pass_matches: dict[str, int]
+    ) -> Callable[..., Any]:
+        """A graph saved by an earlier start (compile/aot.py): its passes already ran, so it
+        is only split and compiled (Inductor's cache answers for the pieces)."""
+        self._count_trace()
+        self.stats.pass_matches = dict(pass_matches)
+        return self._split_and_compile(gm, example_inputs)
+
+    def _count_trace(self) -> None:
         if self.stats.num_traces and not self.allow_recompile:
             raise RuntimeError(
                 "torch.compile recompiled the model forward while serving (a Dynamo guard "
                 "failed); the compiled graph must serve every batch size"
             )
         self.stats.num_traces += 1
-        for name, graph_pass in self.passes:
-            self.stats.pass_matches[name] = int(graph_pass(gm) or 0)
+
+    def _split_and_compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
         split, pieces, splitting = split_graph(gm, self.splitting_ops)
         self.stats.num_pieces = len(pieces)
         self.stats.num_splitting_ops = len(splitting)
@@ -373,6 +401,13 @@ class PiecewiseBackend:
             len(splitting),
         )
         return split
+
+    def reset(self) -> None:
+        """Forget a failed compile (a fallback compiles again from scratch)."""
+        self.stats = CompileStats()
+        self.split_module = None
+        if self.graph_state is not None:
+            self.graph_state = PiecewiseState()
 
     def _compile_pieces(
         self, split: fx.GraphModule, pieces: list[str], example_inputs: list[Any]

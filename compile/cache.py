@@ -4,8 +4,8 @@ The key hashes what decides the compiled code: the model's config, the dtype, th
 config, the step's token budget, torch's and triton's versions, and the source of this project
 (a change to any model or layer file gives a new key, so a stale artifact is never loaded). A warm
 start finds Inductor's compiled pieces (FX-graph and AOTAutograd caches) and the Triton kernels
-there and skips their code generation and compilation; Dynamo still traces the forward, which
-costs seconds, not minutes.
+there and skips their code generation and compilation, and loads the forward Dynamo traced at the
+cold start (`forward.aot`, compile/aot.py) instead of tracing it again.
 
 Several engines may start at once with the same key: Inductor and Triton write each artifact to a
 temporary file and rename it into place, so a reader sees a whole file or none; the directory is

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -30,12 +31,17 @@ class CompiledForward:
         passes: Sequence[tuple[str, GraphPass]] = (),
         use_inductor: bool = True,
         cudagraphs: bool = False,
+        cache_dir: Path | None = None,
     ) -> None:
         self.model = model
         self.backend = PiecewiseBackend(splitting_ops, passes, use_inductor, cudagraphs)
         self._compiled = torch.compile(model, backend=self.backend, fullgraph=True)
+        self._aot = None
+        """The ahead-of-time compiled forward (compile/aot.py), when that path is taken."""
+        self.cache_dir = cache_dir
         self.trace_s = 0.0
-        """Wall time of the first call: Dynamo tracing plus the backend's Inductor work."""
+        """Wall time of the first call: Dynamo tracing (or loading the saved trace) plus the
+        backend's Inductor work."""
 
     @property
     def stats(self) -> CompileStats:
@@ -52,10 +58,27 @@ class CompiledForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if not self.is_traced:
             return self._trace(input_ids, positions)
+        if self._aot is not None:
+            return self._call_aot(input_ids, positions)
         with torch.compiler.set_stance("fail_on_recompile"):
             return self._compiled(input_ids, positions)
 
+    def _call_aot(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        try:
+            return self._aot(self.model, input_ids, positions)
+        except RuntimeError as error:
+            if "GuardManager check failed" not in str(error):
+                raise
+            raise RuntimeError(
+                "the compiled model forward would need a recompile while serving (a guard "
+                f"failed): {error}"
+            ) from None
+
     def _trace(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.cache_dir is not None:
+            output = self._trace_ahead_of_time(input_ids, positions)
+            if output is not None:
+                return output
         torch._dynamo.decorators.mark_unbacked(input_ids, 0)
         torch._dynamo.decorators.mark_unbacked(positions, 0)
         start = time.perf_counter()
@@ -66,14 +89,60 @@ class CompiledForward:
         with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
             output = self._compiled(input_ids, positions)
         self.trace_s = time.perf_counter() - start
+        self._log_compiled()
+        return output
+
+    def _trace_ahead_of_time(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Load the saved forward, or trace, compile and save it; None (the backend reset)
+        when this torch cannot or something fails, and the caller traces as usual."""
+        from compile import aot
+
+        if not aot.supported():
+            logger.info("this torch cannot compile ahead of time: tracing at every start")
+            return None
+        path = self.cache_dir / aot.ARTIFACT
+        start = time.perf_counter()
+        if path.is_file():
+            try:
+                self._aot = aot.load(path, self.backend)
+                self.stats.loaded = True
+            except Exception as error:  # noqa: BLE001 (any failure: trace instead)
+                logger.warning("could not load the saved forward %s (%s); tracing", path, error)
+                self.backend.reset()
+        if self._aot is None:
+            # Trace and save (the backend only pickles the graph), then compile what was saved
+            # the way a warm start loads it.
+            self.backend.serializable = True
+            try:
+                aot.trace_and_save(self.model, input_ids, positions, self.backend, path)
+                self.backend.serializable = False
+                self.backend.reset()
+                self._aot = aot.load(path, self.backend)
+            except Exception as error:  # noqa: BLE001 (any failure: trace with torch.compile)
+                logger.warning(
+                    "ahead-of-time compile failed (%s); tracing with torch.compile", error
+                )
+                self._aot = None
+                self.backend.reset()
+                return None
+            finally:
+                self.backend.serializable = False
+        output = self._call_aot(input_ids, positions)
+        self.trace_s = time.perf_counter() - start
+        self._log_compiled()
+        return output
+
+    def _log_compiled(self) -> None:
         self.backend.allow_recompile = False
         logger.info(
-            "compiled the forward: Dynamo %.2f s, Inductor %.2f s (%d pieces, %d compiled, "
+            "compiled the forward: %s %.2f s, Inductor %.2f s (%d pieces, %d compiled, "
             "around %d attention ops)",
+            "loaded the saved trace" if self.stats.loaded else "Dynamo",
             self.dynamo_s,
             self.stats.inductor_s,
             self.stats.num_pieces,
             self.stats.num_compiled,
             self.stats.num_splitting_ops,
         )
-        return output

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from compile import cache
+from compile import aot, cache
 from v1_engine.config import CompilationConfig, EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,7 +93,9 @@ runner = llm.engine_core.model_runner
 params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 tokens = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].token_ids
 print(json.dumps({"inductor_s": runner.startup_s["Inductor"], "tokens": list(tokens),
-                  "dir": os.environ["TORCHINDUCTOR_CACHE_DIR"]}))
+                  "dir": os.environ["TORCHINDUCTOR_CACHE_DIR"],
+                  "loaded": runner._forward.stats.loaded,
+                  "traces": runner._forward.stats.num_traces}))
 """
 
 
@@ -120,13 +122,34 @@ def _start(model_dir: Path, cache_root: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_warm_start_skips_inductor(tiny_llama_dir, tmp_path):
+def test_warm_start_skips_dynamo_and_inductor(tiny_llama_dir, tmp_path):
+    """The cold start traces and saves the forward (compile/aot.py); the warm one loads it (no
+    Dynamo trace) and finds Inductor's pieces cached, and generates the same tokens."""
     cold = _start(tiny_llama_dir, tmp_path)
     warm = _start(tiny_llama_dir, tmp_path)
     assert cold["dir"] == warm["dir"]
     assert any(Path(cold["dir"]).rglob("*")), "the cold start wrote no artifacts"
     assert warm["inductor_s"] < 0.5 * cold["inductor_s"], (cold, warm)
     assert warm["tokens"] == cold["tokens"]
+    if aot.supported():
+        assert (Path(cold["dir"]).parent / aot.ARTIFACT).is_file()
+        assert (cold["loaded"], warm["loaded"]) == (False, True)
+    assert cold["traces"] == warm["traces"] == 1
+
+
+@pytest.mark.slow
+def test_unreadable_saved_forward_falls_back_to_tracing(tiny_llama_dir, tmp_path):
+    """A damaged forward.aot costs a trace, never the start: the engine traces, serves the
+    same tokens, and saves a good artifact again for the next start."""
+    if not aot.supported():
+        pytest.skip("this torch cannot compile ahead of time")
+    cold = _start(tiny_llama_dir, tmp_path)
+    artifact = Path(cold["dir"]).parent / aot.ARTIFACT
+    artifact.write_bytes(b"not a saved forward")
+    again = _start(tiny_llama_dir, tmp_path)
+    assert again["tokens"] == cold["tokens"] and not again["loaded"]
+    assert artifact.read_bytes() != b"not a saved forward"
+    assert _start(tiny_llama_dir, tmp_path)["loaded"]
 
 
 @pytest.mark.slow

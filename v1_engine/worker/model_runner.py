@@ -283,9 +283,13 @@ class ModelRunner:
         from compile import build_compiled_forward
         from compile.cache import use_compile_cache
 
-        use_compile_cache(self._compile_cache_parts())
+        cache_dir = use_compile_cache(self._compile_cache_parts())
         compiled = build_compiled_forward(
-            self.model, cc, cudagraphs=bool(self._cudagraph_sizes), device_type=self.device.type
+            self.model,
+            cc,
+            cudagraphs=bool(self._cudagraph_sizes),
+            device_type=self.device.type,
+            cache_dir=cache_dir,
         )
         if compiled.backend.passes:
             logger.info("fusion passes: %s", ", ".join(n for n, _ in compiled.backend.passes))
@@ -296,7 +300,7 @@ class ModelRunner:
             positions = torch.arange(num_tokens, device=self.device)
             with set_forward_context(None, self.attn_backend, self.model.attention_layers()):
                 compiled(input_ids, positions)
-        self.startup_s["Dynamo"] = compiled.dynamo_s
+        self.startup_s["Dynamo"] = compiled.dynamo_s  # loading the saved trace on a warm start
         self.startup_s["Inductor"] = compiled.stats.inductor_s
         self._forward = compiled
 
