@@ -18,6 +18,8 @@ fails (CompiledForward logs why).
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 import pickle
 from pathlib import Path
@@ -52,9 +54,17 @@ def supported() -> bool:
     if SerializableCallable is object:
         return False
     try:
-        from torch._dynamo.aot_compile import AOTCompiledFunction  # noqa: F401
-        from torch.fx._graph_pickler import GraphPickler  # noqa: F401
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+        from torch.fx._graph_pickler import GraphPickler, Options  # noqa: F401
     except ImportError:
+        return False
+    # The parts of these private APIs this module relies on (they changed between releases).
+    options = {f.name for f in dataclasses.fields(Options)}
+    if not {"ops_filter", "node_metadata_key_filter"} <= options:
+        return False
+    if "f_globals" not in inspect.signature(AOTCompiledFunction.deserialize).parameters:
+        return False
+    if not hasattr(AOTCompiledFunction, "save_compiled_function"):
         return False
     return hasattr(torch.compile(forward, fullgraph=True, backend="eager"), "aot_compile")
 
