@@ -12,8 +12,8 @@ compilation config, torch / triton versions and this project's source, so a stal
 never read.
 
 torch's ahead-of-time compile is young (torch 2.10+); `supported()` says whether this torch has
-it, and the caller falls back to plain torch.compile when it does not or when saving / loading
-fails (CompiledForward logs why).
+it (and V1ENGINE_AOT_COMPILE=0 has not turned it off), and the caller falls back to plain
+torch.compile when it does not or when saving / loading fails (CompiledForward logs why).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import os
 import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from compile.backend import PiecewiseBackend
 
 logger = logging.getLogger(__name__)
+
+ENV_VAR = "V1ENGINE_AOT_COMPILE"
+"""0 turns the ahead-of-time path off: every start traces with torch.compile."""
 
 ARTIFACT = "forward.aot"
 """File name of the saved forward inside the compile cache directory."""
@@ -50,8 +54,9 @@ classmethod that torch calls, so the backend reaches it through here)."""
 
 
 def supported() -> bool:
-    """Whether this torch can compile a function ahead of time and load it back."""
-    if SerializableCallable is object:
+    """Whether this torch can compile a function ahead of time and load it back, and the path
+    is not turned off ($V1ENGINE_AOT_COMPILE=0)."""
+    if os.environ.get(ENV_VAR, "1").strip() == "0" or SerializableCallable is object:
         return False
     try:
         from torch._dynamo.aot_compile import AOTCompiledFunction

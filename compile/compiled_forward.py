@@ -100,7 +100,11 @@ class CompiledForward:
         from compile import aot
 
         if not aot.supported():
-            logger.info("this torch cannot compile ahead of time: tracing at every start")
+            logger.info(
+                "tracing the forward at every start (no ahead-of-time compile: this torch "
+                "lacks it or %s=0)",
+                aot.ENV_VAR,
+            )
             return None
         path = self.cache_dir / aot.ARTIFACT
         start = time.perf_counter()

@@ -163,3 +163,16 @@ def test_concurrent_cold_starts_share_the_cache(tiny_llama_dir, tmp_path):
     warm = _start(tiny_llama_dir, tmp_path)
     assert warm["tokens"] == a["tokens"]
     assert warm["inductor_s"] < 0.5 * max(a["inductor_s"], b["inductor_s"]), (a, b, warm)
+
+
+def test_aot_switch_turns_the_saved_forward_off(tiny_llama_dir, tmp_path, monkeypatch):
+    """V1ENGINE_AOT_COMPILE=0: the engine traces with torch.compile and saves no forward."""
+    from v1_engine import LLM
+
+    monkeypatch.setenv(aot.ENV_VAR, "0")
+    monkeypatch.setenv(cache.CACHE_ENV_VAR, str(tmp_path))
+    assert not aot.supported()
+    llm = LLM(str(tiny_llama_dir), max_model_len=128, num_kv_blocks=32, compilation_config=1)
+    forward = llm.engine_core.model_runner._forward
+    assert forward._aot is None and not forward.stats.loaded and forward.stats.num_traces == 1
+    assert not list(tmp_path.rglob(aot.ARTIFACT))
