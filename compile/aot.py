@@ -7,9 +7,9 @@ graph to `forward.aot` in the compile cache directory (an atomic rename, so a co
 reads a whole file or none). Every start, the cold one included, then `load`s it: the backend
 splits the unpickled graph and compiles each piece with Inductor, whose FX-graph cache (same
 directory) answers on a warm start because the cold start compiled exactly that graph. A warm
-start thus runs no Dynamo trace at all. The directory's key already covers the model config, dtype,
-compilation config, torch / triton versions and this project's source, so a stale artifact is
-never read.
+start thus runs no Dynamo trace at all. The directory's key already covers the model config,
+dtype, compilation config, torch / triton versions and this project's source, so a stale
+artifact is never read.
 
 torch's ahead-of-time compile is young (torch 2.10+); `supported()` says whether this torch has
 it (and V1ENGINE_AOT_COMPILE=0 has not turned it off), and the caller falls back to plain
