@@ -97,6 +97,8 @@ def test_tile_config_by_m_bucket_and_shape() -> None:
     assert fp8_cutlass.scaled_mm_config(1) == fp8_cutlass.SCALED_MM_DISPATCH[0][1]
     assert fp8_cutlass.scaled_mm_config(200, 8192, 28672) == 4 != bucket_256
     assert fp8_cutlass.scaled_mm_config(200, 4096, 14336) == bucket_256
+    assert fp8_cutlass.scaled_mm_config(64, 4096, 14336) == 2 != fp8_cutlass.scaled_mm_config(64)
+    assert fp8_cutlass.scaled_mm_config(64, 6144, 4096) == fp8_cutlass.scaled_mm_config(64)
     assert fp8_cutlass.scaled_mm_config(1000, 8192, 28672) == fp8_cutlass.scaled_mm_config(1000)
     # The last bucket (bound math.inf) takes overrides too: 8B qkv above M = 4096.
     large = fp8_cutlass.scaled_mm_config(8192)

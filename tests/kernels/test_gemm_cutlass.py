@@ -280,6 +280,7 @@ def test_fp8_stream_k_configs_share_the_workspace_gpu() -> None:
     for item in outs:
         if len(item) == 3:
             assert_matches_product(*item)
-        else:
+        else:  # FP8 tolerance as in test_fp8_gemm: relative to the output's scale (K = 14336)
             got, ref = item
-            torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+            scale = ref.float().abs().amax().item()
+            torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2 * scale)

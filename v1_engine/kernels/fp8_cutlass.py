@@ -33,6 +33,12 @@ M bucket; small M runs swapped configurations (computes the transposed problem).
 the Llama-3-8B/70B shapes at M = 1..8192; benchmarks/RESULTS.md "FP8 GEMM tile tuning")."""
 
 SCALED_MM_SHAPE_CONFIGS: dict[tuple[int, int, int], int] = {
+    (64, 4096, 4096): 2,
+    (64, 28672, 4096): 2,
+    (64, 4096, 14336): 2,
+    (64, 8192, 8192): 2,
+    (64, 57344, 8192): 2,
+    (64, 8192, 28672): 2,
     (256, 8192, 8192): 4,
     (256, 57344, 8192): 4,
     (256, 8192, 28672): 4,
@@ -40,7 +46,11 @@ SCALED_MM_SHAPE_CONFIGS: dict[tuple[int, int, int], int] = {
     (math.inf, 4096, 4096): 4,
 }
 """(M bucket bound, N, K) -> tile configuration, where one beat the bucket's by more than 5%
-(`benchmark_fp8_gemm.py --tune --m 256`, H200, 2026-12-03: the Llama-3-70B o, gate_up and down
+(`benchmark_fp8_gemm.py --tune --m 1 16 64`, H200, 2026-12-05: at M = 33..64 config 2 (64 x 64
+x 256) runs the 8B o_proj / gate_up / down and the 70B o / gate_up / down at 300 / 455 / 395 /
+440 / 503 / 513 TFLOP/s against config 1's 274 / 424 / 370 / 368 / 478 / 441; Llama-3-8B FP8
+decode at batch 64 3.718 / 3.741 -> 3.598 / 3.658 ms a step with them, same call; `--tune --m
+256`, H200, 2026-12-03: the Llama-3-70B o, gate_up and down
 projections at M = 65..256 run config 4 at 1233 / 1325 / 1342 TFLOP/s against config 7's 1148 /
 1059 / 1272; `--tune --m 8192`: the Llama-3-8B qkv and o projections above M = 4096 run config
 4 at 1434 / 1431 TFLOP/s against config 5's 1177 / 1298, their N being too narrow for config
