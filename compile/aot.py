@@ -71,7 +71,18 @@ def supported() -> bool:
         return False
     if not hasattr(AOTCompiledFunction, "save_compiled_function"):
         return False
-    return hasattr(torch.compile(forward, fullgraph=True, backend="eager"), "aot_compile")
+    with _aot_config():
+        return hasattr(torch.compile(forward, fullgraph=True, backend="eager"), "aot_compile")
+
+
+def _aot_config() -> Any:
+    """Dynamo's config for an ahead-of-time compile: no automatic dynamic shapes (the token
+    dimension is marked), and `enable_aot_compile` where this torch has the switch (2.11 adds
+    `aot_compile` to a compiled function only with it on)."""
+    patches: dict[str, Any] = {"automatic_dynamic_shapes": False}
+    if hasattr(torch._dynamo.config, "enable_aot_compile"):
+        patches["enable_aot_compile"] = True
+    return torch._dynamo.config.patch(patches)
 
 
 def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -146,11 +157,8 @@ def trace_and_save(
     input_ids, positions = input_ids.clone(), positions.clone()
     torch._dynamo.decorators.mark_unbacked(input_ids, 0)
     torch._dynamo.decorators.mark_unbacked(positions, 0)
-    compiled = torch.compile(forward, fullgraph=True, backend=backend)
-    patches: dict[str, Any] = {"automatic_dynamic_shapes": False}
-    if hasattr(torch._dynamo.config, "enable_aot_compile"):
-        patches["enable_aot_compile"] = True
-    with torch._dynamo.config.patch(patches):
+    with _aot_config():
+        compiled = torch.compile(forward, fullgraph=True, backend=backend)
         traced = compiled.aot_compile(((model, input_ids, positions), {}))
     traced.save_compiled_function(str(path))
 
