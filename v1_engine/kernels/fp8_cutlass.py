@@ -102,8 +102,10 @@ STREAM_K_CONFIGS = (8, 9, 10, 11, 12, 13)
 """The configurations with a stream-K scheduler (swapped cooperative tiles 128 x 16 x 128,
 128 x 64 x 128 and 128 x 16 x 256; 8 / 9 / 12 add a split tile's partials in a fixed order,
 10 / 11 / 13 atomically as they arrive):
-they take the device's shared workspace (kernels/gemm_cutlass.device_workspace). Not in the
-dispatch tables until measured (`benchmark_fp8_gemm.py --tune`)."""
+they take the device's shared workspace (kernels/gemm_cutlass.device_workspace). Measured
+(`benchmark_fp8_gemm.py --tune --m 1 16 64`, H200, 2026-12-05): slower than the data-parallel
+swapped tiles at every M (geometric mean at M = 1: 6.0-6.2 TFLOP/s against config 0's 6.9; M =
+16: 96-100 against 110; M = 64: 274-354 against config 2's 407), so no table uses them."""
 
 
 @functools.cache
