@@ -151,15 +151,19 @@ def trace_and_save(
     path: Path,
 ) -> None:
     """Trace `forward` with Dynamo for these example inputs (token dimension unbacked) into
-    `backend` (set `serializable`: it returns the pickled graph, uncompiled) and save Dynamo's
-    bytecode, guards and that graph at `path`."""
+    `backend`, made `serializable` for the trace (it returns the pickled graph, uncompiled), and
+    save Dynamo's bytecode, guards and that graph at `path`."""
     # Copies carry the marks: the saved guards check that a runtime tensor has none.
     input_ids, positions = input_ids.clone(), positions.clone()
     torch._dynamo.decorators.mark_unbacked(input_ids, 0)
     torch._dynamo.decorators.mark_unbacked(positions, 0)
-    with _aot_config():
-        compiled = torch.compile(forward, fullgraph=True, backend=backend)
-        traced = compiled.aot_compile(((model, input_ids, positions), {}))
+    backend.serializable = True
+    try:
+        with _aot_config():
+            compiled = torch.compile(forward, fullgraph=True, backend=backend)
+            traced = compiled.aot_compile(((model, input_ids, positions), {}))
+    finally:
+        backend.serializable = False
     traced.save_compiled_function(str(path))
 
 

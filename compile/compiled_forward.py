@@ -116,23 +116,17 @@ class CompiledForward:
                 logger.warning("could not load the saved forward %s (%s); tracing", path, error)
                 self.backend.reset()
         if self._aot is None:
-            # Trace and save (the backend only pickles the graph), then compile what was saved
-            # the way a warm start loads it.
-            self.backend.serializable = True
+            # Trace and save, then compile what was saved the way a warm start loads it.
             try:
                 aot.trace_and_save(self.model, input_ids, positions, self.backend, path)
-                self.backend.serializable = False
                 self.backend.reset()
                 self._aot = aot.load(path, self.backend)
             except Exception as error:  # noqa: BLE001 (any failure: trace with torch.compile)
                 logger.warning(
                     "ahead-of-time compile failed (%s); tracing with torch.compile", error
                 )
-                self._aot = None
                 self.backend.reset()
                 return None
-            finally:
-                self.backend.serializable = False
         output = self._call_aot(input_ids, positions)
         self.trace_s = time.perf_counter() - start
         self._log_compiled()
