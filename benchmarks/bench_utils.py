@@ -229,13 +229,17 @@ def append_results(title: str, command: str, body: str) -> None:
         f.write(section)
 
 
+TABLE_KINDS = ("bf16", "fp8", "fused_mlp")
+
+
 def write_gemm_tables(path: str, kind: str, rows: list[list]) -> None:
     """Writes (or adds to) a GEMM table file that `apply_gemm_tables` reads: `kind` "bf16" rows
     are GEMM_TUNED entries [M bucket, N, K, config, decomposition, splits]
     (kernels/gemm_cutlass.py), "fp8" rows SCALED_MM_SHAPE_CONFIGS entries [M bucket bound, N,
-    K, config] (kernels/fp8_cutlass.py)."""
-    if kind not in ("bf16", "fp8"):
-        raise ValueError(f"kind must be 'bf16' or 'fp8', got {kind!r}")
+    K, config] (kernels/fp8_cutlass.py), "fused_mlp" rows TUNED_LAUNCH entries [M bucket, I, N,
+    launch dict] (kernels/triton_mlp.py)."""
+    if kind not in TABLE_KINDS:
+        raise ValueError(f"kind must be one of {TABLE_KINDS}, got {kind!r}")
     file = Path(path)
     tables = json.loads(file.read_text()) if file.exists() else {}
     tables[kind] = rows
@@ -248,12 +252,12 @@ def apply_gemm_tables(path: str) -> str:
     one-line account of what was set."""
     import math
 
-    from v1_engine.kernels import fp8_cutlass, gemm_cutlass
+    from v1_engine.kernels import fp8_cutlass, gemm_cutlass, triton_mlp
 
     tables = json.loads(Path(path).read_text())
-    unknown = set(tables) - {"bf16", "fp8"}
+    unknown = set(tables) - set(TABLE_KINDS)
     if unknown:
-        raise ValueError(f"{path}: unknown table kinds {sorted(unknown)}; allowed: bf16, fp8")
+        raise ValueError(f"{path}: unknown table kinds {sorted(unknown)}; allowed: {TABLE_KINDS}")
     for bucket, n, k, config, decomposition, splits in tables.get("bf16", []):
         gemm_cutlass.GEMM_TUNED[(int(bucket), int(n), int(k))] = (
             int(config),
@@ -263,7 +267,12 @@ def apply_gemm_tables(path: str) -> str:
     for bound, n, k, config in tables.get("fp8", []):
         key = (math.inf if bound in (None, "inf") else int(bound), int(n), int(k))
         fp8_cutlass.SCALED_MM_SHAPE_CONFIGS[key] = int(config)
+    for bucket, i, n, launch in tables.get("fused_mlp", []):
+        key = (int(bucket), int(i), int(n))
+        triton_mlp.TUNED_LAUNCH[key] = triton_mlp.resolve_launch(int(bucket), int(i), int(n), 0,
+                                                                 launch)  # fmt: skip
     return (
         f"GEMM tables from {path}: {len(tables.get('bf16', []))} bf16 GEMM_TUNED entries, "
-        f"{len(tables.get('fp8', []))} FP8 SCALED_MM_SHAPE_CONFIGS entries"
+        f"{len(tables.get('fp8', []))} FP8 SCALED_MM_SHAPE_CONFIGS entries, "
+        f"{len(tables.get('fused_mlp', []))} fused MLP TUNED_LAUNCH entries"
     )

@@ -122,15 +122,19 @@ def test_make_variants_takes_files_from_a_commit(tmp_path):
 def test_gemm_tables_round_trip_into_the_dispatch_tables(tmp_path, monkeypatch):
     import math
 
-    from v1_engine.kernels import fp8_cutlass, gemm_cutlass
+    from v1_engine.kernels import fp8_cutlass, gemm_cutlass, triton_mlp
 
     monkeypatch.setattr(gemm_cutlass, "GEMM_TUNED", {})
+    monkeypatch.setattr(triton_mlp, "TUNED_LAUNCH", {})
     monkeypatch.setattr(fp8_cutlass, "SCALED_MM_SHAPE_CONFIGS", {(32, 1, 1): 0})
     path = str(tmp_path / "tables.json")
     write_gemm_tables(path, "bf16", [[64, 6144, 4096, 2, "stream_k", 1]])
     write_gemm_tables(path, "fp8", [[32, 4096, 4096, 8], ["inf", 4096, 14336, 9]])
     write_gemm_tables(path, "bf16", [[64, 4096, 4096, 3, "split_k", 2]])  # replaces its kind
+    write_gemm_tables(path, "fused_mlp", [[64, 14336, 4096, {"block_n1": 16}]])
     assert "1 bf16 GEMM_TUNED entries, 2 FP8" in apply_gemm_tables(path)
+    launch = triton_mlp.TUNED_LAUNCH[(64, 14336, 4096)]
+    assert launch["block_n1"] == 16 and set(launch) == set(triton_mlp.LAUNCH_KEYS)
     assert gemm_cutlass.GEMM_TUNED == {(64, 4096, 4096): (3, "split_k", 2)}
     assert fp8_cutlass.SCALED_MM_SHAPE_CONFIGS == {
         (32, 1, 1): 0,
@@ -139,7 +143,7 @@ def test_gemm_tables_round_trip_into_the_dispatch_tables(tmp_path, monkeypatch):
     }
     assert gemm_cutlass.prefers(48, 4096, 4096) == gemm_cutlass.ENABLED
     assert fp8_cutlass.scaled_mm_config(16, 4096, 4096) == 8
-    with pytest.raises(ValueError, match="kind must be 'bf16' or 'fp8'"):
+    with pytest.raises(ValueError, match="kind must be one of"):
         write_gemm_tables(path, "int8", [])
     (tmp_path / "bad.json").write_text(json.dumps({"fp16": []}))
     with pytest.raises(ValueError, match=r"unknown table kinds \['fp16'\]"):

@@ -157,6 +157,7 @@ FUSION_PASSES = (
     "rms_norm_fp8_quant",
     "silu_and_mul_fp8_quant",
     "skinny_silu_mul",
+    "fused_mlp",
     "skinny_add_rms_norm",
     "rope_kv_cache",
 )

@@ -3,6 +3,7 @@
 from compile.passes.fusion import (
     FUSION_PASSES,
     fuse_add_rms_norm,
+    fuse_mlp,
     fuse_rms_norm_fp8_quant,
     fuse_rope_kv_cache,
     fuse_silu_and_mul,
@@ -14,6 +15,7 @@ from compile.passes.fusion import (
 __all__ = [
     "FUSION_PASSES",
     "fuse_add_rms_norm",
+    "fuse_mlp",
     "fuse_rms_norm_fp8_quant",
     "fuse_rope_kv_cache",
     "fuse_silu_and_mul",

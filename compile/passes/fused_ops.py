@@ -132,3 +132,36 @@ def _(
     from v1_engine.kernels.skinny_epilogues import linear_add_rms_norm_cuda
 
     return linear_add_rms_norm_cuda(x, weight, residual, norm_weight, eps)
+
+
+# ---- the MLP and the norm after it in one op (kernels/triton_mlp.py) -------------------------
+
+
+@torch.library.custom_op("v1_engine::fused_mlp_add_rms_norm", mutates_args=())
+def fused_mlp_add_rms_norm(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, residual: torch.Tensor,
+    norm_weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """fused_add_rms_norm(silu_and_mul(x @ w_gate_up^T) @ w_down^T, residual, norm_weight, eps):
+    a decoder layer's MLP and the residual add + RMSNorm after it."""
+    y = F.linear(silu_and_mul_ref(F.linear(x, w_gate_up)), w_down)
+    return fused_add_rms_norm_ref(y, residual, norm_weight, eps)
+
+
+@fused_mlp_add_rms_norm.register_fake
+def _fused_mlp_add_rms_norm_fake(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, residual: torch.Tensor,
+    norm_weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    y = x.new_empty((x.shape[0], w_down.shape[0]))
+    return _fused_add_rms_norm_fake(y, residual, norm_weight, eps)
+
+
+@fused_mlp_add_rms_norm.register_kernel("cuda")
+def _(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, residual: torch.Tensor,
+    norm_weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    from v1_engine.kernels.triton_mlp import fused_mlp_cuda
+
+    return fused_mlp_cuda(x, w_gate_up, w_down, residual, norm_weight, eps)

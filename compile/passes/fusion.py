@@ -425,6 +425,56 @@ def fuse_skinny_add_rms_norm(gm: fx.GraphModule) -> int:
     return _fuse_into_skinny(gm, ops.fused_add_rms_norm, ops.skinny_linear_add_rms_norm.default)
 
 
+def _gated_source(h: object, down: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """(x, w_gate_up, nodes) when `h`, read by `down` alone, is `skinny_linear_silu_mul(x, w)`
+    or `silu_and_mul(skinny_linear(x, w))` (the nodes to erase, users first)."""
+    ops = torch.ops.v1_engine
+    if not isinstance(h, fx.Node) or not _only_used_by(h, down):
+        return None
+    if _is_op(h, ops.skinny_linear_silu_mul):
+        x, w = h.args[:2]
+        return x, w, [h]
+    if _is_op(h, ops.silu_and_mul):
+        operands = _skinny_linear_args(h.args[0])
+        if operands is not None and _only_used_by(h.args[0], h):
+            return *operands, [h, h.args[0]]
+    return None
+
+
+def fuse_mlp(gm: fx.GraphModule) -> int:
+    """gate_up GEMM -> SiLU-and-mul -> down GEMM -> residual add + RMSNorm (skinny_linear ops and
+    the base passes' fused ops, or the gated skinny op) => `v1_engine::fused_mlp_add_rms_norm`,
+    one persistent kernel at the decode sizes kernels/triton_mlp.py's table holds. Runs the base
+    passes first. Returns matches."""
+    fuse_silu_and_mul(gm)
+    fuse_add_rms_norm(gm)
+    ops = torch.ops.v1_engine
+    graph, count = gm.graph, 0
+    for node in list(graph.nodes):
+        if not _is_op(node, ops.fused_add_rms_norm):
+            continue
+        down, residual, norm_weight, eps = node.args
+        operands = _skinny_linear_args(down)
+        if operands is None or not _only_used_by(down, node):
+            continue
+        gated = _gated_source(operands[0], down)
+        if gated is None:
+            continue
+        x, w_gate_up, gate_nodes = gated
+        with graph.inserting_before(node):
+            fused = graph.call_function(
+                ops.fused_mlp_add_rms_norm.default,
+                (x, w_gate_up, operands[1], residual, norm_weight, eps),
+            )
+        _copy_example(node, fused)
+        node.replace_all_uses_with(fused)
+        _erase(graph, [node, down, *gate_nodes])
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
 # ---- rotary embedding into the attention op --------------------------------------------------
 #
 # layers/rotary.py rotates query and key with `v1_engine::rotary_embedding` (on CUDA), and the
@@ -496,6 +546,7 @@ FUSION_PASSES: dict[str, Callable[[fx.GraphModule], int]] = {
     "rms_norm_fp8_quant": fuse_rms_norm_fp8_quant,
     "silu_and_mul_fp8_quant": fuse_silu_and_mul_fp8_quant,
     "skinny_silu_mul": fuse_skinny_silu_mul,
+    "fused_mlp": fuse_mlp,
     "skinny_add_rms_norm": fuse_skinny_add_rms_norm,
     "rope_kv_cache": fuse_rope_kv_cache,
 }

@@ -1,0 +1,143 @@
+"""The `fused_mlp` pass: a decoder layer's gate_up GEMM, SiLU-and-mul, down GEMM and the residual
+add + RMSNorm after it become `v1_engine::fused_mlp_add_rms_norm` (compile/passes/fusion.py).
+On the CPU the op runs its reference (the unfused ops' references in a row), so the rewritten
+graph must give bit-identical results; the kernel behind it on CUDA is tested in
+tests/kernels/test_triton_mlp.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compile.compiled_forward import CompiledForward
+from compile.passes import fuse_mlp, fuse_skinny_silu_mul
+from v1_engine.attention.selector import get_attn_backend
+from v1_engine.config import FUSION_PASSES, CompilationConfig
+from v1_engine.forward_context import set_forward_context
+from v1_engine.layers.activation import SiluAndMul
+from v1_engine.layers.norm import RMSNorm
+from v1_engine.layers.quantization.base import UnquantizedLinearMethod
+from v1_engine.models.loader import get_model, load_hf_config
+
+triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")  # registers skinny_linear
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _count(gm: torch.fx.GraphModule, name: str) -> int:
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    return sum(1 for target in targets if target.split(".")[1:2] == [name])
+
+
+class _Mlp(torch.nn.Module):
+    """gate_up -> SiLU-and-mul -> down -> add + RMSNorm; `bias` / `leak` break the pattern."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False, leak: bool = False) -> None:
+        super().__init__()
+        self.w_gate_up = torch.nn.Parameter(torch.randn(2 * inter, hidden) * 0.1)
+        self.w_down = torch.nn.Parameter(torch.randn(hidden, inter) * 0.1)
+        self.b_down = torch.nn.Parameter(torch.randn(hidden)) if bias else None
+        self.act = SiluAndMul()
+        self.norm = RMSNorm(hidden, eps=1e-5)
+        torch.nn.init.normal_(self.norm.weight)
+        self.leak = leak
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor):
+        gate_up = torch.ops.v1_engine.skinny_linear(x, self.w_gate_up, None)
+        act = self.act(gate_up)
+        down = torch.ops.v1_engine.skinny_linear(act, self.w_down, self.b_down)
+        normed, summed = self.norm(down, residual)
+        if self.leak:
+            return normed, summed, act.sum()
+        return normed, summed
+
+
+def _compile_with(module, graph_pass):
+    graphs, matches = [], []
+
+    def backend(gm, example_inputs):
+        matches.append(graph_pass(gm))
+        graphs.append(gm)
+        return gm
+
+    return torch.compile(module, backend=backend, fullgraph=True), graphs, matches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gated_first", [False, True])
+def test_pass_fuses_the_mlp_and_keeps_results(dtype, gated_first):
+    # Either form of the gate_up half: the plain GEMM + SiLU-and-mul, or the gated skinny op
+    # the skinny_silu_mul pass (before this one in FUSION_PASSES) leaves.
+    torch.manual_seed(0)
+    module = _Mlp(32, 48).to(dtype)
+    x, residual = torch.randn(3, 32, dtype=dtype), torch.randn(3, 32, dtype=dtype)
+
+    def passes(gm):
+        if gated_first:
+            assert fuse_skinny_silu_mul(gm) == 1
+        return fuse_mlp(gm)
+
+    compiled, graphs, matches = _compile_with(module, passes)
+    actual = compiled(x, residual)
+    assert matches == [1]
+    gm = graphs[0]
+    assert _count(gm, "fused_mlp_add_rms_norm") == 1
+    for name in ("skinny_linear", "silu_and_mul", "skinny_linear_silu_mul", "fused_add_rms_norm"):
+        assert _count(gm, name) == 0, name
+    expected = module(x, residual)
+    assert len(actual) == 2
+    for a, b in zip(actual, expected, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("bias", "leak"), [(True, False), (False, True)])
+def test_pass_leaves_other_uses_alone(bias, leak):
+    """A biased down GEMM, or an activation read elsewhere: nothing fused, results unchanged."""
+    torch.manual_seed(1)
+    module = _Mlp(16, 24, bias=bias, leak=leak)
+    x, residual = torch.randn(2, 16), torch.randn(2, 16)
+    compiled, graphs, matches = _compile_with(module, fuse_mlp)
+    actual = compiled(x, residual)
+    assert matches == [0]
+    assert _count(graphs[0], "skinny_linear") == 2
+    for a, b in zip(actual, module(x, residual), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_pass_is_on_by_default_on_cuda_after_the_gated_pass():
+    names = list(FUSION_PASSES)
+    assert names.index("skinny_silu_mul") < names.index("fused_mlp")
+    assert "fused_mlp" in CompilationConfig().effective_fusion_passes("cuda")
+    assert CompilationConfig().effective_fusion_passes("cpu") == []
+
+
+def test_pass_on_tiny_llama_forward(tiny_llama_dir, monkeypatch):
+    """Every decoder layer's MLP with the norm after it (the next layer's input norm, the last
+    one the final norm) becomes one op; the forward stays bit-identical."""
+    monkeypatch.setattr(
+        UnquantizedLinearMethod,
+        "apply",
+        lambda self, layer, x, bias: triton_gemv.skinny_linear(x, layer.weight, bias),
+    )
+    config = load_hf_config(str(tiny_llama_dir))
+    cpu = torch.device("cpu")
+    model = get_model(
+        config, str(tiny_llama_dir), dtype=torch.float32, device=cpu, load_format="auto", seed=0
+    )
+    passes = [("skinny_silu_mul", fuse_skinny_silu_mul), ("fused_mlp", fuse_mlp)]
+    forward = CompiledForward(model, passes=passes, use_inductor=False)
+    with (
+        torch.inference_mode(),
+        set_forward_context(None, get_attn_backend(cpu), model.attention_layers()),
+    ):
+        for num_tokens in (4, 1, 9):
+            input_ids = torch.randint(0, config.vocab_size, (num_tokens,))
+            positions = torch.arange(num_tokens)
+            assert torch.equal(forward(input_ids, positions), model(input_ids, positions))
+    layers = config.num_hidden_layers
+    assert forward.stats.pass_matches == {"skinny_silu_mul": layers, "fused_mlp": layers}
