@@ -42,8 +42,9 @@ def assert_close_to_reference(got, ref, rel=2.0**-6):
 @pytest.mark.parametrize("mode1", ["dot", "dot_swap", "fma"])
 @pytest.mark.parametrize("m", [1, 3])
 def test_phases_match_reference_interpreted(mode1, m):
-    # Ragged I and N (tiles masked at the edge), K not a multiple of the K step, a 3-way split.
-    k, i, n = 40, 48, 72
+    # Ragged N (tiles masked at the edge), K not a multiple of the K step, a 3-way split whose
+    # last slice holds fewer h tiles.
+    k, i, n = 40, 80, 72
     args = operands(m, k, i, n)
     launch = {"mode1": mode1, "block_n1": 16, "block_k1": 16, "mode2": "dot_swap",
               "block_n2": 32, "block_k2": 16, "split2": 3}  # fmt: skip
@@ -78,6 +79,8 @@ def test_launch_keys_are_checked():
         triton_mlp.resolve_launch(64, 14336, 4096, 4096, {"block_k1": 96})
     with pytest.raises(ValueError, match="split2 must be >= 1"):
         triton_mlp.resolve_launch(64, 14336, 4096, 4096, {"split2": 0})
+    with pytest.raises(ValueError, match="per_sm must be >= 1"):
+        triton_mlp.resolve_launch(64, 14336, 4096, 4096, {"per_sm": 0})
     config = triton_mlp.resolve_launch(64, 14336, 4096, 4096, {"programs": 96})
     assert config["programs"] == 96 and set(config) == set(triton_mlp.LAUNCH_KEYS)
 
@@ -86,6 +89,10 @@ def test_shapes_that_do_not_chain_are_refused():
     x, w_gate_up, w_down, residual, norm_w = operands(2, 16, 16, 24)
     with pytest.raises(ValueError, match="fused MLP shapes do not chain"):
         triton_mlp.fused_mlp_add_rms_norm(x, w_gate_up, w_down[:, :8], residual, norm_w, 1e-5)
+    # An h tile straddling two K slices of the down GEMM would be counted in one only.
+    args = operands(2, 16, 96, 24)
+    with pytest.raises(ValueError, match="block_n1 32 must divide the down GEMM's K slice"):
+        triton_mlp.fused_mlp_add_rms_norm(*args, 1e-5, block_n1=32, block_k2=16, split2=2)
 
 
 def test_every_table_entry_is_a_valid_launch():

@@ -7,31 +7,33 @@ for decode-sized batches of an unquantized model:
 
 Unfused, a decode step runs this as four kernels (the gate_up GEMM, SiLU-and-mul, the down GEMM,
 the add + RMSNorm; kernels/triton_gemv.py, triton_fused.py), and each boundary costs a drain of
-one grid and the ramp-up of the next while HBM idles: for the short GEMMs of a decode step that
-is several microseconds a kernel (benchmarks/RESULTS.md: the gate_up / down GEMMs at batch 64 run
-at 0.88 / 0.79 of HBM, the whole step's GEMMs at 0.77). Here one grid of `programs` programs, all
-resident at once (at most one per SM), walks three phases separated by grid barriers:
+one grid and the ramp-up of the next. Here one launch does all of it as a queue of work items,
+which the programs take in order from a shared counter until none is left:
 
-1. gated column tiles of W_gate_up (a tile of gate rows and the matching up rows, as the gated
-   skinny GEMM does) round-robin over the programs; each stores its silu(gate) * up tile of h;
-2. after a barrier (every tile of h stored), work units (column tile of W_down, K slice) of the
-   down GEMM round-robin; each stores its float32 partial tile;
-3. after a second barrier, the rows round-robin: the partials summed in slice order, then the
-   add + RMSNorm.
+1. gated column tiles of h (a tile of gate rows and the matching up rows of W_gate_up, as the
+   gated skinny GEMM reads them; silu(gate) * up stored); each counts itself in on its K slice's
+   counter (the K slices of the down GEMM);
+2. (K slice, column tile) float32 partials of h @ W_down^T, slice by slice: each first waits
+   until its slice's h tiles are all counted in, then counts itself in when stored;
+3. rows: once every partial is in, the partials summed in slice order, then the add + RMSNorm.
+
+An item only waits for items with lower numbers, which programs took before it and are working
+on without waiting for anything later, so the queue cannot deadlock whatever the grid's size
+and however many of its programs are resident (a grid barrier would need all of them resident).
+Programs that finish early take the next item, so no program idles while work is left, and the
+down GEMM's first slices start while the last h tiles are still being computed.
 
 The roundings are those of the unfused kernels (the GEMM output in x's dtype, SiLU, product; the
 split-K sum in slice order, the sum with the residual, the normalised value, the weight
 product), so the fused op agrees with the chain as the chain agrees with the references.
 
-The barriers are one int32 counter on the per-device semaphores (kernels/semaphores.py): each
-program adds itself after a CTA barrier (release) and spins with acquire atomics until all have;
-the last program out resets the counters, so every launch finds them at zero. A grid barrier is
-only safe when every program is resident at once: the launcher caps `programs` at the SM count,
-and a program needs less than one SM. Under the Triton interpreter, which runs programs one
-after another, each phase is a launch of its own (`PHASE` 1..3) and the barriers are skipped.
+The counters live on the per-device semaphores (kernels/semaphores.py): increments are atomics
+after a CTA barrier (release), waits spin on acquire atomics and the data is read past L1; the
+last program out resets every counter, so each launch finds them at zero. Under the Triton
+interpreter the programs run one after another: the first takes every item in order.
 
-PDL (kernels/pdl.py): the programs wait before touching memory, and let the next kernel launch
-after the second barrier (phase 3 is short).
+PDL (kernels/pdl.py): the programs wait before touching memory and let the next kernel launch
+once they run out of items.
 """
 
 from __future__ import annotations
@@ -71,23 +73,25 @@ LAUNCH_KEYS = (
     "split2",
     "num_warps",
     "programs",
+    "per_sm",
 )
-"""A launch: phase 1's body (kernels/triton_gemv.py's modes), gated tile width (gate rows; as many
-up rows), K step and pipeline depth; phase 2's body, tile, K step, depth and K split; warps; the
-number of programs (0: the SM count)."""
+"""A launch: the gated items' body (kernels/triton_gemv.py's modes), tile width (gate rows; as
+many up rows), K step and pipeline depth; the down items' body, tile, K step, depth and number
+of K slices; warps; the grid (`programs`, or 0 for `per_sm` programs per SM)."""
 
 DEFAULT_LAUNCH: dict[str, int | str] = {
     "mode1": "dot",
     "block_n1": 32,
     "block_k1": 128,
-    "stages1": 4,
+    "stages1": 3,
     "mode2": "dot_swap",
     "block_n2": 64,
     "block_k2": 128,
-    "stages2": 4,
-    "split2": 2,
+    "stages2": 3,
+    "split2": 4,
     "num_warps": 4,
-    "programs": 128,
+    "programs": 0,
+    "per_sm": 2,
 }
 
 TUNED_LAUNCH: dict[tuple[int, int, int], dict[str, int | str]] = {}
@@ -100,17 +104,124 @@ NORM_BLOCK = 1024
 
 
 @triton.jit
-def _grid_barrier(counter_ptr, target):
-    """Every program of the grid: wait until `target` arrivals are counted on `counter_ptr`
-    (including this program's, added here). The CTA barrier orders this program's stores before
-    its release; the acquire makes the other programs' stores visible to the loads after it
-    (which read past L1 anyway)."""
+def _wait_for(counter_ptr, target):
+    """Spin until the int32 at `counter_ptr` reaches `target` (acquire: the stores released
+    before the increments are visible after it, to loads that read past L1)."""
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
+    while seen < target:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire")
     tl.debug_barrier()
-    tl.atomic_add(counter_ptr, 1, sem="release")
-    arrived = tl.atomic_add(counter_ptr, 0, sem="acquire")
-    while arrived < target:
-        arrived = tl.atomic_add(counter_ptr, 0, sem="acquire")
-    tl.debug_barrier()
+
+
+@triton.jit
+def _gated_tile(x_ptr, wgu_ptr, h_ptr, tile, offs_m, m_mask, I, K, stride_xm, stride_wgu,
+                DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, MODE: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                HW: tl.constexpr):  # fmt: skip
+    """Work of kind 1: columns [tile * BLOCK_N, +BLOCK_N) of h = silu(x W_gate^T) * (x W_up^T)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    g_ptrs = wgu_ptr + offs_n[:, None].to(tl.int64) * stride_wgu + offs_k[None, :]
+    u_ptrs = g_ptrs + I.to(tl.int64) * stride_wgu
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    if MODE == 0:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif MODE == 1:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros_like(acc_g)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        k_mask = offs_k[None, :] < K - k
+        w_mask = n_mask[:, None] & k_mask
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        u = tl.load(u_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        xv = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask, other=0.0,
+                     eviction_policy="evict_last")  # fmt: skip
+        if DOT_F32:
+            xv = xv.to(tl.float32)
+        acc_g = _accumulate(acc_g, xv, g, MODE, DOT_F32)
+        acc_u = _accumulate(acc_u, xv, u, MODE, DOT_F32)
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    dtype = h_ptr.dtype.element_ty
+    h = _silu_mul(_tile_result(acc_g, MODE), _tile_result(acc_u, MODE), dtype, HW)
+    h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * I + offs_n[None, :]
+    tl.store(h_ptrs, h.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_partial(wd_ptr, h_ptr, partial_ptr, tile, split, offs_m, m_mask, M, N, I,
+                  k_per_split, stride_wd, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                  MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  STAGES: tl.constexpr):  # fmt: skip
+    """Work of kind 2: the float32 partial [M, BLOCK_N] tile `tile` of h W_down^T over K slice
+    `split`, into partial[split]."""
+    offs_k = tl.arange(0, BLOCK_K)
+    k_start = split * k_per_split
+    k_end = tl.minimum(I, k_start + k_per_split)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_ptrs = wd_ptr + offs_n[:, None].to(tl.int64) * stride_wd + (k_start + offs_k)[None, :]
+    hv_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * I + (k_start + offs_k)[None, :]
+    if MODE == 0:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif MODE == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+        k_mask = offs_k[None, :] < k_end - k
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask, other=0.0,
+                    eviction_policy="evict_first")  # fmt: skip
+        # h was stored by other programs of this grid: read it past L1.
+        hv = tl.load(hv_ptrs, mask=m_mask[:, None] & k_mask, other=0.0, cache_modifier=".cg")
+        if DOT_F32:
+            hv = hv.to(tl.float32)
+        acc = _accumulate(acc, hv, w, MODE, DOT_F32)
+        w_ptrs += BLOCK_K
+        hv_ptrs += BLOCK_K
+    part = partial_ptr + split * M.to(tl.int64) * N + offs_m[:, None].to(tl.int64) * N
+    tl.store(part + offs_n[None, :], _tile_result(acc, MODE),
+             mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
+
+
+@triton.jit
+def _norm_row(partial_ptr, residual_ptr, norm_w_ptr, normed_ptr, residual_out_ptr, m, M, N,
+              stride_rm, eps, SPLIT: tl.constexpr, NORM_BLOCK: tl.constexpr,
+              HW: tl.constexpr):  # fmt: skip
+    """Work of kind 3: row m's partials summed in slice order and rounded (the down GEMM's
+    output), plus the residual, RMSNorm'd (the roundings of kernels/triton_fused.py)."""
+    dtype = residual_out_ptr.dtype.element_ty
+    offsets = tl.arange(0, NORM_BLOCK)
+    slice_size = M.to(tl.int64) * N
+    res_out_row = residual_out_ptr + m * N.to(tl.int64)
+    squares = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+    for chunk in range(0, N, NORM_BLOCK):
+        cols = chunk + offsets
+        mask = cols < N
+        y = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            y += tl.load(partial_ptr + s * slice_size + m * N + cols, mask=mask, other=0.0,
+                         cache_modifier=".cg")  # fmt: skip
+        y = _round_to(y, dtype, HW)
+        r = tl.load(residual_ptr + m * stride_rm + cols, mask=mask, other=0.0)
+        summed = _round_to(y + r.to(tl.float32), dtype, HW)
+        tl.store(res_out_row + cols, summed.to(dtype), mask=mask)
+        squares += summed * summed
+    variance = tl.math.div_rn(tl.sum(squares, axis=0), N * 1.0)
+    rstd = tl.math.rsqrt(variance + eps)
+    out_dtype = normed_ptr.dtype.element_ty
+    for chunk in range(0, N, NORM_BLOCK):
+        cols = chunk + offsets
+        mask = cols < N
+        summed = tl.load(res_out_row + cols, mask=mask, other=0.0).to(tl.float32)
+        normed = _round_to(summed * rstd, dtype, HW)
+        w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        out = _round_to(w * normed, out_dtype, HW)
+        tl.store(normed_ptr + m * N.to(tl.int64) + cols, out.to(out_dtype), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -136,7 +247,6 @@ def _fused_mlp_kernel(
     stride_wd,
     stride_rm,
     eps,
-    PHASE: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     MODE1: tl.constexpr,
@@ -152,124 +262,51 @@ def _fused_mlp_kernel(
     HW: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """PHASE 0: the three phases with grid barriers between them (the GPU); 1, 2, 3: that phase
-    alone (the interpreter). `programs` is the grid's size."""
+    """Every program takes work items in order from a shared counter until none is left (see
+    the module): gated h tiles, then (K slice, down tile) partials, then norm rows. `programs` is
+    the grid's size; counters: [0] the next item, [1] down partials done, [2] programs out,
+    [3 + s] h tiles done in K slice s."""
     pdl_wait(PDL)
-    pid = tl.program_id(0)
-    dtype = h_ptr.dtype.element_ty
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
-    h_rows = offs_m[:, None].to(tl.int64) * I
-
-    if PHASE == 0 or PHASE == 1:
-        offs_k = tl.arange(0, BLOCK_K1)
-        for tile in range(pid, tl.cdiv(I, BLOCK_N1), programs):
-            offs_n = tile * BLOCK_N1 + tl.arange(0, BLOCK_N1)
-            n_mask = offs_n < I
-            g_ptrs = wgu_ptr + offs_n[:, None].to(tl.int64) * stride_wgu + offs_k[None, :]
-            u_ptrs = g_ptrs + I.to(tl.int64) * stride_wgu
-            x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-            if MODE1 == 0:
-                acc_g = tl.zeros([BLOCK_M, BLOCK_N1], dtype=tl.float32)
-            elif MODE1 == 1:
-                acc_g = tl.zeros([BLOCK_N1, BLOCK_M], dtype=tl.float32)
-            else:
-                acc_g = tl.zeros([BLOCK_M, BLOCK_N1, BLOCK_K1], dtype=tl.float32)
-            acc_u = tl.zeros_like(acc_g)
-            for k in tl.range(0, K, BLOCK_K1, num_stages=STAGES1):
-                k_mask = offs_k[None, :] < K - k
-                w_mask = n_mask[:, None] & k_mask
-                g = tl.load(g_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-                u = tl.load(u_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-                xv = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask, other=0.0,
-                             eviction_policy="evict_last")  # fmt: skip
-                if DOT_F32:
-                    xv = xv.to(tl.float32)
-                acc_g = _accumulate(acc_g, xv, g, MODE1, DOT_F32)
-                acc_u = _accumulate(acc_u, xv, u, MODE1, DOT_F32)
-                g_ptrs += BLOCK_K1
-                u_ptrs += BLOCK_K1
-                x_ptrs += BLOCK_K1
-            h = _silu_mul(_tile_result(acc_g, MODE1), _tile_result(acc_u, MODE1), dtype, HW)
-            tl.store(h_ptr + h_rows + offs_n[None, :], h.to(dtype),
-                     mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
-    if PHASE == 0:
-        _grid_barrier(counter_ptr, programs)
-
-    if PHASE == 0 or PHASE == 2:
-        offs_k = tl.arange(0, BLOCK_K2)
-        tiles2 = tl.cdiv(N, BLOCK_N2)
-        for unit in range(pid, tiles2 * SPLIT2, programs):
-            tile = unit // SPLIT2
-            split = unit % SPLIT2
-            k_start = split * k_per_split
-            k_end = tl.minimum(I, k_start + k_per_split)
-            offs_n = tile * BLOCK_N2 + tl.arange(0, BLOCK_N2)
-            n_mask = offs_n < N
-            w_ptrs = wd_ptr + offs_n[:, None].to(tl.int64) * stride_wd + (k_start + offs_k)[None, :]
-            hv_ptrs = h_ptr + h_rows + (k_start + offs_k)[None, :]
-            if MODE2 == 0:
-                acc = tl.zeros([BLOCK_M, BLOCK_N2], dtype=tl.float32)
-            elif MODE2 == 1:
-                acc = tl.zeros([BLOCK_N2, BLOCK_M], dtype=tl.float32)
-            else:
-                acc = tl.zeros([BLOCK_M, BLOCK_N2, BLOCK_K2], dtype=tl.float32)
-            for k in tl.range(k_start, k_end, BLOCK_K2, num_stages=STAGES2):
-                k_mask = offs_k[None, :] < k_end - k
-                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask, other=0.0,
-                            eviction_policy="evict_first")  # fmt: skip
-                # h was stored by other programs of this grid: read it past L1.
-                hv = tl.load(hv_ptrs, mask=m_mask[:, None] & k_mask, other=0.0,
-                             cache_modifier=".cg")  # fmt: skip
-                if DOT_F32:
-                    hv = hv.to(tl.float32)
-                acc = _accumulate(acc, hv, w, MODE2, DOT_F32)
-                w_ptrs += BLOCK_K2
-                hv_ptrs += BLOCK_K2
-            part = partial_ptr + split * M.to(tl.int64) * N + offs_m[:, None].to(tl.int64) * N
-            tl.store(part + offs_n[None, :], _tile_result(acc, MODE2),
-                     mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
-    if PHASE == 0:
-        _grid_barrier(counter_ptr, 2 * programs)
-        pdl_release(PDL)
-
-    if PHASE == 0 or PHASE == 3:
-        offsets = tl.arange(0, NORM_BLOCK)
-        slice_size = M.to(tl.int64) * N
-        for m in range(pid, M, programs):
-            res_out_row = residual_out_ptr + m * N.to(tl.int64)
-            squares = tl.zeros([NORM_BLOCK], dtype=tl.float32)
-            for chunk in range(0, N, NORM_BLOCK):
-                cols = chunk + offsets
-                mask = cols < N
-                y = tl.zeros([NORM_BLOCK], dtype=tl.float32)
-                for s in tl.static_range(SPLIT2):
-                    y += tl.load(partial_ptr + s * slice_size + m * N + cols, mask=mask,
-                                 other=0.0, cache_modifier=".cg")  # fmt: skip
-                y = _round_to(y, dtype, HW)  # the down GEMM's output
-                r = tl.load(residual_ptr + m * stride_rm + cols, mask=mask, other=0.0)
-                s_val = _round_to(y + r.to(tl.float32), dtype, HW)
-                tl.store(res_out_row + cols, s_val.to(dtype), mask=mask)
-                squares += s_val * s_val
-            variance = tl.math.div_rn(tl.sum(squares, axis=0), N * 1.0)
-            rstd = tl.math.rsqrt(variance + eps)
-            for chunk in range(0, N, NORM_BLOCK):
-                cols = chunk + offsets
-                mask = cols < N
-                s_val = tl.load(res_out_row + cols, mask=mask, other=0.0).to(tl.float32)
-                normed = _round_to(s_val * rstd, dtype, HW)
-                w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                out = _round_to(w * normed, normed_ptr.dtype.element_ty, HW)
-                tl.store(normed_ptr + m * N.to(tl.int64) + cols,
-                         out.to(normed_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-
-    if PHASE == 0:
-        # The last program out resets both counters: every program has passed both barriers.
-        tl.debug_barrier()
-        done = tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel")
-        if done == programs - 1:
-            tl.atomic_xchg(counter_ptr, 0)
-            tl.atomic_xchg(counter_ptr + 1, 0)
+    gated_items = tl.cdiv(I, BLOCK_N1)
+    tiles2 = tl.cdiv(N, BLOCK_N2)
+    down_items = tiles2 * SPLIT2
+    total = gated_items + down_items + M
+    tiles_per_slice = k_per_split // BLOCK_N1
+    item = tl.atomic_add(counter_ptr, 1, sem="relaxed")
+    while item < total:
+        if item < gated_items:
+            _gated_tile(x_ptr, wgu_ptr, h_ptr, item, offs_m, m_mask, I, K, stride_xm,
+                        stride_wgu, DOT_F32, BLOCK_M, MODE1, BLOCK_N1, BLOCK_K1, STAGES1,
+                        HW)  # fmt: skip
+            tl.debug_barrier()
+            tl.atomic_add(counter_ptr + 3 + item // tiles_per_slice, 1, sem="release")
+        elif item < gated_items + down_items:
+            # Slice-major order: the first slice's h tiles are the first to be done.
+            split = (item - gated_items) // tiles2
+            tile = (item - gated_items) % tiles2
+            first = split * tiles_per_slice
+            _wait_for(counter_ptr + 3 + split,
+                      tl.minimum(gated_items, first + tiles_per_slice) - first)  # fmt: skip
+            _down_partial(wd_ptr, h_ptr, partial_ptr, tile, split, offs_m, m_mask, M, N, I,
+                          k_per_split, stride_wd, DOT_F32, BLOCK_M, MODE2, BLOCK_N2, BLOCK_K2,
+                          STAGES2)  # fmt: skip
+            tl.debug_barrier()
+            tl.atomic_add(counter_ptr + 1, 1, sem="release")
+        else:
+            _wait_for(counter_ptr + 1, down_items)
+            _norm_row(partial_ptr, residual_ptr, norm_w_ptr, normed_ptr, residual_out_ptr,
+                      item - gated_items - down_items, M, N, stride_rm, eps, SPLIT2,
+                      NORM_BLOCK, HW)  # fmt: skip
+        item = tl.atomic_add(counter_ptr, 1, sem="relaxed")
+    pdl_release(PDL)
+    # The last program out resets the counters: every item was taken and finished by then.
+    tl.debug_barrier()
+    out = tl.atomic_add(counter_ptr + 2, 1, sem="acq_rel")
+    if out == programs - 1:
+        for c in tl.static_range(3 + SPLIT2):
+            tl.atomic_xchg(counter_ptr + c, 0)
 
 
 def sm_count(device: torch.device) -> int:
@@ -294,11 +331,11 @@ def resolve_launch(
         value = int(config[key])
         if value < 1 or value & (value - 1):
             raise ValueError(f"{key} must be a power of two, got {value}")
-    for key in ("stages1", "stages2", "split2", "num_warps"):
+    for key in ("stages1", "stages2", "split2", "num_warps", "per_sm"):
         if int(config[key]) < 1:
             raise ValueError(f"{key} must be >= 1, got {config[key]}")
     if int(config["programs"]) < 0:
-        raise ValueError(f"programs must be >= 0 (0: one per SM), got {config['programs']}")
+        raise ValueError(f"programs must be >= 0 (0: per_sm per SM), got {config['programs']}")
     return config
 
 
@@ -341,6 +378,11 @@ def fused_mlp_add_rms_norm(
         return normed, residual_out
     k_steps = triton.cdiv(i, int(config["block_k2"]))
     k_per_split = triton.cdiv(k_steps, split) * int(config["block_k2"])
+    if k_per_split % int(config["block_n1"]):
+        raise ValueError(
+            f"block_n1 {config['block_n1']} must divide the down GEMM's K slice "
+            f"({k_per_split} = I {i} over split2 {split} in block_k2 steps)"
+        )
     block_m = max(block_rows(str(config["mode1"]), m), block_rows(str(config["mode2"]), m))
     hw = not interpreting()
     args = (
@@ -372,16 +414,13 @@ def fused_mlp_add_rms_norm(
     }
     scalars = (m, n, i, k, k_per_split, x.stride(0), w_gate_up.stride(0), w_down.stride(0),
                residual.stride(0), float(eps))  # fmt: skip
-    counters = split_semaphores(x.device, 2)
-    if not hw:  # the interpreter runs programs in turn: one launch per phase, no barriers
-        for phase in (1, 2, 3):
-            _fused_mlp_kernel[(4,)](*args, counters, 4, *scalars, PHASE=phase, PDL=False,
-                                    **constexprs)  # fmt: skip
-        return normed, residual_out
-    programs = int(config["programs"]) or sm_count(x.device)
-    programs = min(programs, sm_count(x.device))
+    counters = split_semaphores(x.device, 3 + split)
+    if interpreting():  # programs run in turn: the first takes every item, the second none
+        programs = 2
+    else:
+        programs = int(config["programs"]) or int(config["per_sm"]) * sm_count(x.device)
     _fused_mlp_kernel[(programs,)](
-        *args, counters, programs, *scalars, PHASE=0, **constexprs, **launch_options(x.device)
+        *args, counters, programs, *scalars, **constexprs, **launch_options(x.device)
     )
     return normed, residual_out
 
