@@ -161,10 +161,12 @@ FUSION_PASSES = (
     "skinny_add_rms_norm",
     "rope_kv_cache",
 )
-OPT_IN_FUSION_PASSES = ("skinny_add_rms_norm",)
+OPT_IN_FUSION_PASSES = ("skinny_add_rms_norm", "fused_mlp")
 """Passes applied only when `fusion_passes` names them: measured slower than the unfused ops
 (the norm in the last tile of the GEMM: batch 1 4.50 vs 4.33 ms a step, benchmarks/RESULTS.md,
-"Skinny GEMM epilogues")."""
+"Skinny GEMM epilogues"; the persistent fused MLP: 5-7% slower than the chain at M 16-64,
+"A decoder layer's MLP in one persistent kernel"), or with nothing to run yet (fused_mlp's op
+runs its kernel only where kernels/triton_mlp.TUNED_LAUNCH, empty, holds a launch)."""
 
 
 @dataclass
