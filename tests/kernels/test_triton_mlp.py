@@ -41,13 +41,14 @@ def assert_close_to_reference(got, ref, rel=2.0**-6):
 @interpreter_only
 @pytest.mark.parametrize("mode1", ["dot", "dot_swap", "fma"])
 @pytest.mark.parametrize("m", [1, 3])
-def test_phases_match_reference_interpreted(mode1, m):
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_phases_match_reference_interpreted(mode1, m, ahead):
     # Ragged N (tiles masked at the edge), K not a multiple of the K step, a 3-way split whose
     # last slice holds fewer h tiles.
     k, i, n = 40, 80, 72
     args = operands(m, k, i, n)
     launch = {"mode1": mode1, "block_n1": 16, "block_k1": 16, "mode2": "dot_swap",
-              "block_n2": 32, "block_k2": 16, "split2": 3}  # fmt: skip
+              "block_n2": 32, "block_k2": 16, "split2": 3, "ahead": ahead}  # fmt: skip
     got = triton_mlp.fused_mlp_add_rms_norm(*args, 1e-5, **launch)
     ref = triton_mlp.fused_mlp_reference(*args, 1e-5)
     assert_close_to_reference(got, ref)
@@ -79,6 +80,8 @@ def test_launch_keys_are_checked():
         triton_mlp.resolve_launch(64, 14336, 4096, 4096, {"block_k1": 96})
     with pytest.raises(ValueError, match="split2 must be >= 1"):
         triton_mlp.resolve_launch(64, 14336, 4096, 4096, {"split2": 0})
+    with pytest.raises(ValueError, match="ahead must be 0 or 1"):
+        triton_mlp.resolve_launch(64, 14336, 4096, 4096, {"ahead": 2})
     with pytest.raises(ValueError, match="per_sm must be >= 1"):
         triton_mlp.resolve_launch(64, 14336, 4096, 4096, {"per_sm": 0})
     config = triton_mlp.resolve_launch(64, 14336, 4096, 4096, {"programs": 96})
@@ -139,6 +142,8 @@ def test_llama_mlp_matches_reference_and_chain_gpu(m):
         {"mode1": "dot_swap", "block_n1": 64, "programs": 64},
         {"mode2": "dot", "split2": 4, "block_n2": 128, "programs": 0},
         {"block_n1": 16, "stages1": 6, "stages2": 6, "num_warps": 8},
+        {"ahead": 1},
+        {"ahead": 1, "per_sm": 3, "stages1": 2, "stages2": 2, "num_warps": 8},
     ],
 )
 def test_launches_agree_gpu(launch):

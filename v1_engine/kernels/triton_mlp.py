@@ -74,10 +74,13 @@ LAUNCH_KEYS = (
     "num_warps",
     "programs",
     "per_sm",
+    "ahead",
 )
 """A launch: the gated items' body (kernels/triton_gemv.py's modes), tile width (gate rows; as
 many up rows), K step and pipeline depth; the down items' body, tile, K step, depth and number
-of K slices; warps; the grid (`programs`, or 0 for `per_sm` programs per SM)."""
+of K slices; warps; the grid (`programs`, or 0 for `per_sm` programs per SM); `ahead` 1 takes
+each program's next item while it works on the current one (holding two items cannot deadlock
+either: every wait still points at lower-numbered items)."""
 
 DEFAULT_LAUNCH: dict[str, int | str] = {
     "mode1": "dot",
@@ -92,6 +95,7 @@ DEFAULT_LAUNCH: dict[str, int | str] = {
     "num_warps": 4,
     "programs": 0,
     "per_sm": 2,
+    "ahead": 0,
 }
 
 TUNED_LAUNCH: dict[tuple[int, int, int], dict[str, int | str]] = {}
@@ -259,6 +263,8 @@ def _fused_mlp_kernel(
     STAGES2: tl.constexpr,
     SPLIT2: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
+    AHEAD: tl.constexpr,
+    LANES: tl.constexpr,
     HW: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -274,8 +280,20 @@ def _fused_mlp_kernel(
     down_items = tiles2 * SPLIT2
     total = gated_items + down_items + M
     tiles_per_slice = k_per_split // BLOCK_N1
-    item = tl.atomic_add(counter_ptr, 1, sem="relaxed")
+    lanes = tl.arange(0, LANES)
+    lead = lanes == 0
+    if AHEAD:
+        taken = tl.atomic_add(counter_ptr + lanes * 0, lead.to(tl.int32), mask=lead, sem="relaxed")
+        item = tl.max(tl.where(lead, taken, -1), axis=0)
+    else:
+        item = tl.atomic_add(counter_ptr, 1, sem="relaxed")
     while item < total:
+        if AHEAD:
+            # The next item is taken now by one lane; its value is read only after this item,
+            # so the atomic's round trip overlaps the work (a scalar atomic would make every
+            # thread wait for it here).
+            taken = tl.atomic_add(counter_ptr + lanes * 0, lead.to(tl.int32), mask=lead,
+                                  sem="relaxed")  # fmt: skip
         if item < gated_items:
             _gated_tile(x_ptr, wgu_ptr, h_ptr, item, offs_m, m_mask, I, K, stride_xm,
                         stride_wgu, DOT_F32, BLOCK_M, MODE1, BLOCK_N1, BLOCK_K1, STAGES1,
@@ -299,7 +317,10 @@ def _fused_mlp_kernel(
             _norm_row(partial_ptr, residual_ptr, norm_w_ptr, normed_ptr, residual_out_ptr,
                       item - gated_items - down_items, M, N, stride_rm, eps, SPLIT2,
                       NORM_BLOCK, HW)  # fmt: skip
-        item = tl.atomic_add(counter_ptr, 1, sem="relaxed")
+        if AHEAD:
+            item = tl.max(tl.where(lead, taken, -1), axis=0)
+        else:
+            item = tl.atomic_add(counter_ptr, 1, sem="relaxed")
     pdl_release(PDL)
     # The last program out resets the counters: every item was taken and finished by then.
     tl.debug_barrier()
@@ -334,6 +355,8 @@ def resolve_launch(
     for key in ("stages1", "stages2", "split2", "num_warps", "per_sm"):
         if int(config[key]) < 1:
             raise ValueError(f"{key} must be >= 1, got {config[key]}")
+    if config["ahead"] not in (0, 1):
+        raise ValueError(f"ahead must be 0 or 1, got {config['ahead']!r}")
     if int(config["programs"]) < 0:
         raise ValueError(f"programs must be >= 0 (0: per_sm per SM), got {config['programs']}")
     return config
@@ -409,6 +432,8 @@ def fused_mlp_add_rms_norm(
         "STAGES2": int(config["stages2"]),
         "SPLIT2": split,
         "NORM_BLOCK": NORM_BLOCK,
+        "AHEAD": bool(config["ahead"]),
+        "LANES": 32 * int(config["num_warps"]),
         "HW": hw,
         "num_warps": int(config["num_warps"]),
     }
