@@ -147,6 +147,12 @@ def test_pass_on_tiny_llama_forward(tiny_llama_dir, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug, not yet found: on the H200 (60e299f) the engine with the kernel gives other "
+    "greedy tokens from the first one on, while the kernel alone (tests/kernels/test_triton_mlp.py, "
+    "CUDA graphs included) matches the chain; TUNED_LAUNCH stays empty until this passes",
+)
 def test_fused_mlp_in_the_engine_matches_unfused_gpu(tmp_path, default_tokenizer, monkeypatch):
     """A 2-layer model of Llama-3-8B's widths at -O2 with the fused_mlp pass and a launch for
     every M bucket up to 64 (the kernel runs in the prefill of 60 tokens and in every decode
