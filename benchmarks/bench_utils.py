@@ -229,15 +229,16 @@ def append_results(title: str, command: str, body: str) -> None:
         f.write(section)
 
 
-TABLE_KINDS = ("bf16", "fp8", "fused_mlp")
+TABLE_KINDS = ("bf16", "fp8", "fp8_skinny", "fused_mlp")
 
 
 def write_gemm_tables(path: str, kind: str, rows: list[list]) -> None:
     """Writes (or adds to) a GEMM table file that `apply_gemm_tables` reads: `kind` "bf16" rows
     are GEMM_TUNED entries [M bucket, N, K, config, decomposition, splits]
     (kernels/gemm_cutlass.py), "fp8" rows SCALED_MM_SHAPE_CONFIGS entries [M bucket bound, N,
-    K, config] (kernels/fp8_cutlass.py), "fused_mlp" rows TUNED_LAUNCH entries [M bucket, I, N,
-    launch dict] (kernels/triton_mlp.py)."""
+    K, config] (kernels/fp8_cutlass.py), "fp8_skinny" rows FP8_TUNED_LAUNCH entries [kind, M
+    bucket, N, K, launch dict or None] (kernels/triton_gemv_fp8.py), "fused_mlp" rows
+    TUNED_LAUNCH entries [M bucket, I, N, launch dict] (kernels/triton_mlp.py)."""
     if kind not in TABLE_KINDS:
         raise ValueError(f"kind must be one of {TABLE_KINDS}, got {kind!r}")
     file = Path(path)
@@ -252,7 +253,7 @@ def apply_gemm_tables(path: str) -> str:
     one-line account of what was set."""
     import math
 
-    from v1_engine.kernels import fp8_cutlass, gemm_cutlass, triton_mlp
+    from v1_engine.kernels import fp8_cutlass, gemm_cutlass, triton_gemv_fp8, triton_mlp
 
     tables = json.loads(Path(path).read_text())
     unknown = set(tables) - set(TABLE_KINDS)
@@ -267,6 +268,11 @@ def apply_gemm_tables(path: str) -> str:
     for bound, n, k, config in tables.get("fp8", []):
         key = (math.inf if bound in (None, "inf") else int(bound), int(n), int(k))
         fp8_cutlass.SCALED_MM_SHAPE_CONFIGS[key] = int(config)
+    for kind, bucket, n, k, launch in tables.get("fp8_skinny", []):
+        key = (int(bucket), int(n), int(k))
+        triton_gemv_fp8.FP8_TUNED_LAUNCH[kind][key] = (
+            None if launch is None else triton_gemv_fp8.resolve_fp8_launch(kind, *key, launch)
+        )
     for bucket, i, n, launch in tables.get("fused_mlp", []):
         key = (int(bucket), int(i), int(n))
         triton_mlp.TUNED_LAUNCH[key] = triton_mlp.resolve_launch(int(bucket), int(i), int(n), 0,
@@ -274,5 +280,6 @@ def apply_gemm_tables(path: str) -> str:
     return (
         f"GEMM tables from {path}: {len(tables.get('bf16', []))} bf16 GEMM_TUNED entries, "
         f"{len(tables.get('fp8', []))} FP8 SCALED_MM_SHAPE_CONFIGS entries, "
+        f"{len(tables.get('fp8_skinny', []))} FP8 skinny FP8_TUNED_LAUNCH entries, "
         f"{len(tables.get('fused_mlp', []))} fused MLP TUNED_LAUNCH entries"
     )

@@ -45,7 +45,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_utils import HBM_BYTES_PER_S
+from bench_utils import HBM_BYTES_PER_S, write_gemm_tables
 
 from v1_engine.kernels import fp8, fp8_cutlass, triton_gemv
 from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
@@ -85,7 +85,7 @@ def block_ks(kind: str, fma: bool) -> tuple[int, ...]:
     if kind == "block":
         return (fp8_skinny.SCALE_GROUP,)
     if kind == "channel":
-        return (512, 1024, 256)
+        return (1024, 512, 2048, 256) if fma else (512, 1024, 256)
     return (512, 256, 1024) if fma else (256, 128, 512)
 
 
@@ -115,23 +115,30 @@ def dot_configs(kind: str) -> list[dict]:
     return configs
 
 
+def fma_fits(launch: dict, m: int) -> bool:
+    """Whether the fma body's float32 accumulator (M's bucket x block_n x block_k) stays within
+    64 registers a thread."""
+    rows = triton_gemv.m_bucket(m)
+    return rows * launch["block_n"] * launch["block_k"] <= 64 * 32 * launch["num_warps"]
+
+
 def fma_configs(kind: str) -> list[dict]:
-    """Broadcast multiply-reduce bodies: at most 64 float32 accumulators per thread at M = 4."""
-    space = itertools.product((4, 3, 6), block_ks(kind, fma=True), (8, 16, 4, 32), (4, 8))
+    """Broadcast multiply-reduce bodies (none for the block kind), each fitting registers and
+    shared memory at M = 1 at least (`applies` checks each M's own)."""
+    if "fma" not in (triton_gemv.MODES if kind == "bf16" else fp8_skinny.KIND_MODES[kind]):
+        return []
+    space = itertools.product((4, 3, 6), block_ks(kind, fma=True), (8, 16, 4, 32, 2), (4, 8))
     configs = []
     for stages, block_k, block_n, warps in space:
-        fits_registers = FMA_MAX_M * block_n * block_k <= 64 * 32 * warps
-        smem = stages * (block_n + FMA_MAX_M) * block_k * element_bytes(kind)
-        if fits_registers and smem <= SMEM_BYTES:
-            configs.append(
-                {
-                    "mode": "fma",
-                    "block_n": block_n,
-                    "block_k": block_k,
-                    "num_warps": warps,
-                    "num_stages": stages,
-                }
-            )
+        launch = {
+            "mode": "fma",
+            "block_n": block_n,
+            "block_k": block_k,
+            "num_warps": warps,
+            "num_stages": stages,
+        }
+        if fma_fits(launch, 1) and smem_bytes(kind, launch, 1) <= SMEM_BYTES:
+            configs.append(launch)
     return configs
 
 
@@ -168,7 +175,7 @@ def interleave(dot: list[dict], fma: list[dict]) -> list[dict]:
 def applies(kind: str, launch: dict, m: int) -> bool:
     """Whether the config runs at M: the fma body only up to FMA_MAX_M rows, and the pipeline
     buffers of M's BLOCK_M must fit shared memory."""
-    if launch["mode"] == "fma" and m > FMA_MAX_M:
+    if launch["mode"] == "fma" and (m > FMA_MAX_M or not fma_fits(launch, m)):
         return False
     return smem_bytes(kind, launch, m) <= SMEM_BYTES
 
@@ -380,6 +387,12 @@ def main() -> None:
         help="bf16: rewrite kernels/skinny_tuned.py with the suggested table",
     )
     parser.add_argument(
+        "--json",
+        default=None,
+        help="FP8 kinds: also write the swept entries (launch or None) to this GEMM table file "
+        "(bench_utils.write_gemm_tables, kind 'fp8_skinny'), for `latency.py --gemm-tables`",
+    )
+    parser.add_argument(
         "--fp8",
         choices=("channel", "block"),
         default=None,
@@ -404,7 +417,9 @@ def main() -> None:
             f"--m: {ms} holds two batch sizes of one M bucket ({buckets}); the table keeps one "
             "entry per bucket, so give one size per power of two"
         )
-    kind_modes = triton_gemv.MODES if kind == "bf16" else fp8_skinny.FP8_MODES
+    if args.json and kind == "bf16":
+        raise SystemExit("--json writes the FP8 skinny entries only (with --fp8)")
+    kind_modes = triton_gemv.MODES if kind == "bf16" else fp8_skinny.KIND_MODES[kind]
     modes = set(args.modes.split(",")) if args.modes else set(kind_modes)
     configs = interleave(dot_configs(kind), fma_configs(kind))
     splits = split_configs(kind, [int(s) for s in args.split_k.split(",") if s])
@@ -415,10 +430,16 @@ def main() -> None:
     begin = time.perf_counter()
     precompile_all(kind, configs, ms, args.workers)
     table = dict(triton_gemv.TUNED_LAUNCH if kind == "bf16" else fp8_skinny.FP8_TUNED_LAUNCH[kind])
+    swept = {}
     for name in names:
         n, k = SHAPES[name]
         results = sweep_shape(kind, name, n, k, ms, configs, args.seconds)
-        table |= report(kind, name, n, k, results)
+        swept |= report(kind, name, n, k, results)
+    table |= swept
+    if args.json:
+        rows = [[kind, *key, launch] for key, launch in swept.items()]
+        write_gemm_tables(args.json, "fp8_skinny", rows)
+        print(f"wrote {len(rows)} FP8 skinny entries to {args.json}")
     print(f"\nsuggested table ({time.perf_counter() - begin:.0f} s in all; the current one with")
     print("the swept entries replaced or added):")
     print("TUNED_LAUNCH = {" if kind == "bf16" else f"FP8_TUNED_LAUNCH[{kind!r}] = {{")

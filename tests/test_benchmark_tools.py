@@ -122,17 +122,28 @@ def test_make_variants_takes_files_from_a_commit(tmp_path):
 def test_gemm_tables_round_trip_into_the_dispatch_tables(tmp_path, monkeypatch):
     import math
 
-    from v1_engine.kernels import fp8_cutlass, gemm_cutlass, triton_mlp
+    from v1_engine.kernels import fp8_cutlass, gemm_cutlass, triton_gemv_fp8, triton_mlp
 
     monkeypatch.setattr(gemm_cutlass, "GEMM_TUNED", {})
     monkeypatch.setattr(triton_mlp, "TUNED_LAUNCH", {})
+    fp8_skinny = {"channel": {(1, 4096, 4096): None}, "block": {}}
+    monkeypatch.setattr(triton_gemv_fp8, "FP8_TUNED_LAUNCH", fp8_skinny)
     monkeypatch.setattr(fp8_cutlass, "SCALED_MM_SHAPE_CONFIGS", {(32, 1, 1): 0})
     path = str(tmp_path / "tables.json")
     write_gemm_tables(path, "bf16", [[64, 6144, 4096, 2, "stream_k", 1]])
     write_gemm_tables(path, "fp8", [[32, 4096, 4096, 8], ["inf", 4096, 14336, 9]])
     write_gemm_tables(path, "bf16", [[64, 4096, 4096, 3, "split_k", 2]])  # replaces its kind
     write_gemm_tables(path, "fused_mlp", [[64, 14336, 4096, {"block_n1": 16}]])
-    assert "1 bf16 GEMM_TUNED entries, 2 FP8" in apply_gemm_tables(path)
+    fma = {"mode": "fma", "block_n": 4, "block_k": 1024, "num_warps": 4, "num_stages": 4}
+    write_gemm_tables(
+        path, "fp8_skinny", [["channel", 1, 4096, 4096, fma], ["channel", 1, 6144, 4096, None]]
+    )
+    summary = apply_gemm_tables(path)
+    assert "1 bf16 GEMM_TUNED entries, 2 FP8" in summary
+    assert "2 FP8 skinny FP8_TUNED_LAUNCH entries" in summary
+    assert fp8_skinny["channel"] == {(1, 4096, 4096): fma | {"split_k": 1}, (1, 6144, 4096): None}
+    assert triton_gemv_fp8.prefers_fp8_skinny("channel", 1, 4096, 4096)
+    assert not triton_gemv_fp8.prefers_fp8_skinny("channel", 1, 6144, 4096)
     launch = triton_mlp.TUNED_LAUNCH[(64, 14336, 4096)]
     assert launch["block_n1"] == 16 and set(launch) == set(triton_mlp.LAUNCH_KEYS)
     assert gemm_cutlass.GEMM_TUNED == {(64, 4096, 4096): (3, "split_k", 2)}

@@ -89,6 +89,17 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(out.float(), ref.float(), rtol=ulp, atol=ulp * scale / 64)
 
 
+def channel_cases(ms: list[int]) -> list[tuple[str, int]]:
+    """(body, M) pairs of the channel kernel: every body at every M it takes (fma up to
+    triton_gemv.FMA_MAX_M rows)."""
+    return [
+        (mode, m)
+        for mode in skinny.KIND_MODES["channel"]
+        for m in ms
+        if mode != "fma" or m <= triton_gemv.FMA_MAX_M
+    ]
+
+
 def launch_for(mode: str, kind: str) -> dict:
     """Small tiles so the tiny shapes span several programs and K steps."""
     block_n = 16
@@ -100,8 +111,7 @@ def launch_for(mode: str, kind: str) -> dict:
 
 
 @interpreter_only
-@pytest.mark.parametrize("mode", skinny.FP8_MODES)
-@pytest.mark.parametrize("m", [1, 3, 16, 24, 64])
+@pytest.mark.parametrize(("mode", "m"), channel_cases([1, 3, 4, 16, 24, 64]))
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_channel_kernel_matches_reference_interpreted(mode, m, granularity, with_bias):
@@ -120,7 +130,7 @@ def test_channel_kernel_matches_reference_interpreted(mode, m, granularity, with
 
 
 @interpreter_only
-@pytest.mark.parametrize("mode", skinny.FP8_MODES)
+@pytest.mark.parametrize("mode", skinny.KIND_MODES["block"])
 @pytest.mark.parametrize("m", [1, 3, 16, 24, 64])
 @pytest.mark.parametrize(("n", "k"), [(200, 384), (200, 300)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
@@ -363,6 +373,8 @@ def test_launch_table_and_overrides(monkeypatch):
     ):
         with pytest.raises(ValueError, match=match):
             skinny.resolve_fp8_launch(kind, 3, 1024, 2048, bad)
+    with pytest.raises(ValueError, match="'fma' needs M in 1..4"):
+        skinny.resolve_fp8_launch("channel", 8, 1024, 2048, {"mode": "fma", "block_n": 8})
     with pytest.raises(ValueError, match="kind must be one of"):
         skinny.fp8_launch_config("tensor", 1, 64, 64)
     with pytest.raises(ValueError, match="out_dtype"):
@@ -390,14 +402,13 @@ def cutlass_is_no_closer(out: torch.Tensor, cutlass: torch.Tensor, ref: torch.Te
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
-@pytest.mark.parametrize("m", [1, 3, 16, 32, 64])
-@pytest.mark.parametrize("mode", skinny.FP8_MODES)
+@pytest.mark.parametrize(("mode", "m"), channel_cases([1, 3, 4, 16, 32, 64]))
 def test_channel_llama3_shapes_gpu(name, m, mode):
     n, k = LLAMA3_8B_SHAPES[name]
     b, scale_b = llama3_weight(name, "channel")
     a, scale_a = fp8.per_token_fp8_quant_ref(randn((m, k), m).cuda())
     bias = randn((n,), 5).to("cuda", torch.bfloat16)
-    launch = {"mode": mode, "block_n": 32, "block_k": 512}
+    launch = {"mode": mode, "block_n": 4 if mode == "fma" else 32, "block_k": 512}
     out = skinny.fp8_skinny_gemm(a, b, scale_a, scale_b, torch.bfloat16, bias, **launch)
     ref = fp8.scaled_mm_ref(a, b, scale_a, scale_b, torch.bfloat16, bias)
     assert_matches(out, ref)
@@ -407,7 +418,7 @@ def test_channel_llama3_shapes_gpu(name, m, mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
 @pytest.mark.parametrize("m", [1, 3, 16, 32, 64])
-@pytest.mark.parametrize("mode", skinny.FP8_MODES)
+@pytest.mark.parametrize("mode", skinny.KIND_MODES["block"])
 def test_block_llama3_shapes_gpu(name, m, mode):
     _n, k = LLAMA3_8B_SHAPES[name]
     b, scale_b = llama3_weight(name, "block")
@@ -450,12 +461,13 @@ def test_split_k_llama3_shapes_gpu(kind, name, m, split):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", GRANULARITIES)
-@pytest.mark.parametrize("mode", skinny.FP8_MODES)
+@pytest.mark.parametrize("mode", skinny.KIND_MODES["channel"])
 def test_channel_ragged_shape_every_granularity_gpu(granularity, mode):
     """N = 1000 and K = 4112 are multiples of 16 but of no tile: masked edges on the device."""
-    a, b, scale_a, scale_b = channel_operands(5, 1000, 4112, granularity, seed=9, device="cuda")
+    m = 3 if mode == "fma" else 5
+    a, b, scale_a, scale_b = channel_operands(m, 1000, 4112, granularity, seed=9, device="cuda")
     a = strided_rows(a)
-    launch = {"mode": mode, "block_n": 64, "block_k": 256}
+    launch = {"mode": mode, "block_n": 8 if mode == "fma" else 64, "block_k": 256}
     out = skinny.fp8_skinny_gemm(a, b, scale_a, scale_b, torch.float16, **launch)
     assert_matches(out, fp8.scaled_mm_ref(a, b, scale_a, scale_b, torch.float16))
 

@@ -9,10 +9,12 @@ weight and walks the whole of K with pipelined loads, one kernel per linear; a l
 to arrive sums in slice order (triton_gemv's split epilogue, shared). The e4m3 operands are
 upcast in registers to float16 (exact: every e4m3 value is an fp16 value, and products of two
 are exact in the float32 accumulator) and multiplied on tensor
-cores with the weight tile as the left operand (triton_gemv's "dot_swap" body, FP8_MODES): on
-the H200 with Triton 3.6 the other two bodies fail to compile with e4m3 operands (the "dot" body
-at its tl.dot, the "fma" body at its float32 upcast), and "dot_swap" was the fastest body on
-every bf16 and block-scaled shape swept anyway. Two kinds:
+cores with the weight tile as the left operand (triton_gemv's "dot_swap" body). The channel kind
+also has triton_gemv's "fma" body for M <= 4, the bf16 kernel's fastest at M = 1 (no tensor core
+layouts: each thread multiplies its loaded bytes into a [BLOCK_M, BLOCK_N, BLOCK_K] float32
+accumulator, summed over K once at the end); it upcasts e4m3 through float16 to float32 (Triton
+3.6 on the H200 has no direct e4m3 -> float32 conversion; both steps are exact). The "dot" body
+fails to compile with e4m3 operands there (at its tl.dot). Two kinds:
 
 - "channel" (`fp8_skinny_gemm`): out = (a @ b^T) * scale_a[m or 0] * scale_b[n or 0] (+ bias),
   scales applied once in the epilogue in scaled_mm_ref's order;
@@ -36,8 +38,11 @@ from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.triton_gemv import _dot, _split_arrive, _split_sum, m_bucket
 
 KINDS = ("channel", "block")
-FP8_MODES = ("dot_swap",)
-"""Bodies of triton_gemv.MODES the FP8 kernels have (see the module docstring)."""
+KIND_MODES = {"channel": ("dot_swap", "fma"), "block": ("dot_swap",)}
+"""Bodies of triton_gemv.MODES each FP8 kernel has (see the module docstring); "fma" only for
+M <= triton_gemv.FMA_MAX_M, as in the bf16 kernel."""
+FP8_MODES = KIND_MODES["channel"]
+"""Every body some FP8 kernel has."""
 SCALE_GROUP = 128
 """K (and N) extent of one block scale; the block kind's K step is exactly one group."""
 
@@ -164,6 +169,22 @@ def _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _fma_step(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32: tl.constexpr):
+    """One K step of the "fma" body: the float32 products a [BLOCK_M, 1, BLOCK_K] *
+    b [1, BLOCK_N, BLOCK_K], the e4m3 operands upcast through float16 (exact; under the
+    interpreter straight to float32). Loads as in _swapped_dot."""
+    b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_first")
+    a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_last")
+    if DOT_F32:
+        b32 = b.to(tl.float32)
+        a32 = a.to(tl.float32)
+    else:
+        b32 = b.to(tl.float16).to(tl.float32)
+        a32 = a.to(tl.float16).to(tl.float32)
+    return a32[:, None, :] * b32[None, :, :]
+
+
+@triton.jit
 def _store_rows(out_ptr, result, offs_m, offs_n, m_mask, n_mask, stride_om):
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -195,11 +216,13 @@ def _fp8_skinny_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    FMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Per-tensor/per-channel kind: program (n, s) owns BLOCK_N output columns over the s-th
     k_per_split-wide slice of K (all of K unsplit); scale strides are 0 for a per-tensor scale.
-    The scales (and bias) apply once, to the summed tile."""
+    The scales (and bias) apply once, to the summed tile. FMA picks the "fma" body (else
+    "dot_swap")."""
     pdl_wait(PDL)
     tile = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split
@@ -211,14 +234,23 @@ def _fp8_skinny_kernel(
     m_mask = offs_m < M
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + (k_start + offs_k)[None, :]
     b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + (k_start + offs_k)[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if FMA:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k[None, :] < k_end - k
-        acc += _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
+        if FMA:
+            acc += _fma_step(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
+        else:
+            acc += _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     pdl_release(PDL)
-    result = tl.trans(acc)
+    if FMA:
+        result = tl.sum(acc, axis=2)
+    else:
+        result = tl.trans(acc)
     epilogue = (scale_a_ptr, scale_b_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask,
                 stride_sa, stride_sb, stride_om, HAS_BIAS)  # fmt: skip
     if SPLIT_K > 1:
@@ -345,9 +377,10 @@ def resolve_fp8_launch(
     config = fp8_launch_config(kind, m, n, k) | launch
     # A complete config overrides every key of triton_gemv's own default, so this only checks.
     config = triton_gemv.resolve_launch(m, n, k, config)
-    if config["mode"] not in FP8_MODES:
+    if config["mode"] not in KIND_MODES[kind]:
         raise ValueError(
-            f"launch mode must be one of {FP8_MODES} for the FP8 kernels, got {config['mode']!r}"
+            f"launch mode must be one of {KIND_MODES[kind]} for the FP8 {kind} kernel, got "
+            f"{config['mode']!r}"
         )
     if kind == "block":
         if config["block_k"] != SCALE_GROUP:
@@ -397,7 +430,7 @@ def _constexprs(
     """Compile-time arguments and launch options shared by both kernels."""
     return {
         "DOT_F32": interpreting(),
-        "BLOCK_M": triton_gemv.block_rows("dot_swap", m),
+        "BLOCK_M": triton_gemv.block_rows(str(config["mode"]), m),
         "BLOCK_N": config["block_n"],
         "BLOCK_K": config["block_k"],
         "NUM_STAGES": config["num_stages"],
@@ -458,6 +491,7 @@ def fp8_skinny_gemm(
         _vector_stride(scale_a),
         _vector_stride(scale_b),
         HAS_BIAS=bias is not None,
+        FMA=config["mode"] == "fma",
         **_constexprs(m, config, a.device),
     )
     return out
@@ -524,7 +558,9 @@ def precompile_fp8(
     sizes = (m, n, k, triton_gemv.k_per_split(k, config), k, k, n)
     if kind == "channel":
         args = (fp8, fp8, fp32, fp32, out_dtype, out_dtype, *workspace, *sizes, 1, 1)
-        _fp8_skinny_kernel.warmup(*args, grid=(1,), HAS_BIAS=False, **constexprs)
+        _fp8_skinny_kernel.warmup(
+            *args, grid=(1,), HAS_BIAS=False, FMA=config["mode"] == "fma", **constexprs
+        )
     else:
         groups_k = triton.cdiv(k, SCALE_GROUP)
         args = (fp8, fp8, fp32, fp32, out_dtype, *workspace, *sizes, groups_k, 1, groups_k, 1)
