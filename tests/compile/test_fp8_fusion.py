@@ -147,6 +147,86 @@ def test_fp8_passes_on_tiny_llama_forward(tiny_llama_dir, names):
     assert "silu_and_mul" not in counts
 
 
+def test_fp8_decode_passes_on_tiny_llama_forward(tiny_llama_dir):
+    """The opt-in decode passes after the quant fusions: per layer o_proj's lone quant + GEMM
+    becomes one fp8_dynamic_linear and gate_up -> SiLU-and-mul + quant -> down one fp8_gated_mlp
+    (through the float32 model's bf16 -> float32 cast); no activation quant is left outside a
+    norm. On the CPU the ops run the quantized chain: logits bit-identical to the forward
+    without the decode passes."""
+    config = load_hf_config(str(tiny_llama_dir))
+    cpu = torch.device("cpu")
+    model = get_model(
+        config,
+        str(tiny_llama_dir),
+        dtype=torch.float32,
+        device=cpu,
+        load_format="auto",
+        seed=0,
+        quantization="fp8",
+    )
+    quant_names = ("rms_norm_fp8_quant", "silu_and_mul_fp8_quant")
+    base = [(name, FUSION_PASSES[name]) for name in quant_names]
+    graphs: list[torch.fx.GraphModule] = []
+    decode = [(name, FUSION_PASSES[name]) for name in ("fp8_gated_mlp", "fp8_dynamic_linear")]
+    batches = [torch.randint(0, config.vocab_size, (n,)) for n in (4, 1, 9)]
+    with (
+        torch.inference_mode(),
+        set_forward_context(None, get_attn_backend(cpu), model.attention_layers()),
+    ):
+        plain = CompiledForward(model, passes=base, use_inductor=False)
+        expected = [plain(ids, torch.arange(len(ids))) for ids in batches]
+        torch._dynamo.reset()
+        fused = CompiledForward(
+            model, passes=decode + [("record", graphs.append)], use_inductor=False
+        )
+        for ids, want in zip(batches, expected, strict=True):
+            assert torch.equal(fused(ids, torch.arange(len(ids))), want)
+    layers = config.num_hidden_layers
+    matches = fused.stats.pass_matches
+    assert (matches["fp8_gated_mlp"], matches["fp8_dynamic_linear"]) == (layers, layers)
+    counts = _count_ops(graphs[0])
+    assert counts["fp8_gated_mlp"] == layers and counts["fp8_dynamic_linear"] == layers
+    assert counts["scaled_mm"] == layers  # qkv alone
+    assert "per_token_fp8_quant" not in counts
+    assert "silu_and_mul_per_token_fp8_quant" not in counts
+    assert counts["add_rms_norm_per_token_fp8_quant"] == 2 * layers - 1
+
+
+def test_fp8_decode_passes_leave_what_they_cannot_take():
+    """A quant whose q escapes stays with its GEMM, and a gate_up GEMM read twice keeps its
+    chain (its lone input quant becomes an fp8_dynamic_linear), as does a biased down GEMM."""
+
+    class Sublayers(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w_o, self.s_o = fp8.per_token_fp8_quant_ref(torch.randn(16, 32) * 0.1)
+            self.w_gu, self.s_gu = fp8.per_token_fp8_quant_ref(torch.randn(64, 32) * 0.1)
+            self.w_d, self.s_d = fp8.per_token_fp8_quant_ref(torch.randn(32, 32) * 0.1)
+            self.bias = torch.randn(32).to(torch.bfloat16)
+
+        def forward(self, x: torch.Tensor, h: torch.Tensor):
+            q, s = fp8.per_token_fp8_quant(x)
+            o = fp8.scaled_mm(q, self.w_o, s, self.s_o, torch.bfloat16)
+            q2, s2 = fp8.per_token_fp8_quant(h)
+            gate_up = fp8.scaled_mm(q2, self.w_gu, s2, self.s_gu, torch.bfloat16)
+            qa, sa = ops.silu_and_mul_per_token_fp8_quant(gate_up)
+            down = fp8.scaled_mm(qa, self.w_d, sa, self.s_d, torch.bfloat16, self.bias)
+            return o, q.float().sum(), down, gate_up.sum()
+
+    module = Sublayers()
+    x, h = torch.randn(3, 32), torch.randn(3, 32)
+    compiled, _, graphs = _compile_with_passes(
+        module, FUSION_PASSES["fp8_gated_mlp"], FUSION_PASSES["fp8_dynamic_linear"]
+    )
+    with torch.no_grad():
+        got, want = compiled(x, h), module(x, h)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    counts = _count_ops(graphs[0])
+    assert counts["fp8_dynamic_linear"] == 1 and "fp8_gated_mlp" not in counts
+    assert counts["scaled_mm"] == 2 and counts["per_token_fp8_quant"] == 1
+
+
 @pytest.mark.slow
 def test_fp8_passes_under_inductor_keep_the_tiny_llama_forward(tiny_llama_dir):
     """The fused ops' fake impls let Inductor compile the pieces around them; on the CPU the

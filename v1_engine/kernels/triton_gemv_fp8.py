@@ -35,12 +35,20 @@ import triton.language as tl
 
 from v1_engine.kernels import interpreting, triton_gemv
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
-from v1_engine.kernels.triton_gemv import _dot, _split_arrive, _split_sum, m_bucket
+from v1_engine.kernels.triton_gemv import _dot, _silu_mul, _split_arrive, _split_sum, m_bucket
 
-KINDS = ("channel", "block")
-KIND_MODES = {"channel": ("dot_swap", "fma"), "block": ("dot_swap",)}
+KINDS = ("channel", "block", "weight_only", "gated")
+KIND_MODES = {
+    "channel": ("dot_swap", "fma"),
+    "block": ("dot_swap",),
+    "weight_only": ("fma",),
+    "gated": ("fma",),
+}
 """Bodies of triton_gemv.MODES each FP8 kernel has (see the module docstring); "fma" only for
 M <= triton_gemv.FMA_MAX_M, as in the bf16 kernel."""
+DECODE_KINDS = ("weight_only", "gated")
+"""The kinds of `_fp8_decode_kernel` (fma body only, never split): see `fp8_weight_only_gemm`
+and `fp8_gated_gemm`."""
 FP8_MODES = KIND_MODES["channel"]
 """Every body some FP8 kernel has."""
 SCALE_GROUP = 128
@@ -135,6 +143,8 @@ FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | No
         (16, 8192, 28672): _SPLIT4,
         (64, 8192, 28672): None,
     },
+    "weight_only": {},
+    "gated": {},
 }
 """Measured launch configs per kind, keyed by (M bucket, N, K) as triton_gemv.TUNED_LAUNCH; None
 marks a shape where the CUTLASS kernel measured as fast or faster: the ops run the Triton kernel
@@ -153,7 +163,11 @@ runs split launches (8B o_proj 14.1 -> 9.1 us, down 36.1 -> 20.2, qkv 15.7 -> 11
 (1.14x); CUTLASS keeps M = 64 (8B o_proj a tie, 15.2 vs 15.1 us). `--m 2,4,8` (same run)
 picked the same launches as M = 1 and 16 on every shape swept (all but 8B gate_up, which keeps
 its entries). Per-channel CUTLASS still beat every split launch at M 1..64 (best 0.84-0.94x on
-8B; 70B qkv 1.02-1.05x, too close to take)."""
+8B; 70B qkv 1.02-1.05x, too close to take).
+
+The "fma" body of the channel kind and the two decode kinds ("weight_only": bf16 activations
+times the e4m3 weight; "gated": gate_up with SiLU-and-mul in the epilogue) are not measured
+yet (written 2026-12-05 without a device): no entry takes them, so the ops run as before."""
 
 
 @triton.jit
@@ -169,19 +183,22 @@ def _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _to_f32(x, DOT_F32: tl.constexpr):
+    """float32 values of a loaded tile: e4m3 through float16 on the device (Triton 3.6 has no
+    direct e4m3 -> float32 there; both steps exact), 16-bit floats directly."""
+    if x.dtype.is_fp8() and not DOT_F32:
+        return x.to(tl.float16).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _fma_step(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32: tl.constexpr):
     """One K step of the "fma" body: the float32 products a [BLOCK_M, 1, BLOCK_K] *
     b [1, BLOCK_N, BLOCK_K], the e4m3 operands upcast through float16 (exact; under the
     interpreter straight to float32). Loads as in _swapped_dot."""
     b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_first")
     a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_last")
-    if DOT_F32:
-        b32 = b.to(tl.float32)
-        a32 = a.to(tl.float32)
-    else:
-        b32 = b.to(tl.float16).to(tl.float32)
-        a32 = a.to(tl.float16).to(tl.float32)
-    return a32[:, None, :] * b32[None, :, :]
+    return _to_f32(a, DOT_F32)[:, None, :] * _to_f32(b, DOT_F32)[None, :, :]
 
 
 @triton.jit
@@ -344,6 +361,82 @@ def _fp8_block_skinny_kernel(
         _store_rows(out_ptr, result, offs_m, offs_n, m_mask, n_mask, stride_om)
 
 
+@triton.jit(do_not_specialize=["M", "stride_sa", "stride_sb"])
+def _fp8_decode_kernel(
+    a_ptr,
+    b_ptr,
+    scale_a_ptr,
+    scale_b_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_om,
+    stride_sa,
+    stride_sb,
+    A_FP8: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    HW: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The decode kinds, fma body: program n owns BLOCK_N of the N output columns over all of K.
+    A_FP8 False ("weight_only"): out = (a @ b^T) * scale_b (+ bias), a in 16-bit floats.
+    A_FP8 and GATED ("gated"): b holds N gate rows then N up rows; gate and up are
+    (a @ rows^T) * scale_a * scale_b, each rounded to out's dtype as scaled_mm stores it, and out
+    = silu(gate) * up with kernels/triton_fused.py's roundings."""
+    pdl_wait(PDL)
+    tile = tl.program_id(0)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    g_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+    u_ptrs = g_ptrs + N.to(tl.int64) * stride_bn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k_mask = offs_k[None, :] < K - k
+        w_mask = n_mask[:, None] & k_mask
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask, other=0.0,
+                    eviction_policy="evict_last")  # fmt: skip
+        a32 = _to_f32(a, DOT_F32)[:, None, :]
+        acc_g += a32 * _to_f32(g, DOT_F32)[None, :, :]
+        if GATED:
+            u = tl.load(u_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+            acc_u += a32 * _to_f32(u, DOT_F32)[None, :, :]
+            u_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+    pdl_release(PDL)
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.sum(acc_g, axis=2)
+    if A_FP8:
+        scale_a = tl.load(scale_a_ptr + offs_m * stride_sa, mask=m_mask, other=0.0)
+        gate = gate * scale_a[:, None]
+    gate = gate * tl.load(scale_b_ptr + offs_n * stride_sb, mask=n_mask, other=0.0)[None, :]
+    if GATED:
+        up = tl.sum(acc_u, axis=2) * scale_a[:, None]
+        up_scale = tl.load(scale_b_ptr + (N + offs_n) * stride_sb, mask=n_mask, other=0.0)
+        result = _silu_mul(gate, up * up_scale[None, :], dtype, HW)
+    else:
+        result = gate
+        if HAS_BIAS:
+            result += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    _store_rows(out_ptr, result, offs_m, offs_n, m_mask, n_mask, stride_om)
+
+
 def _check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -354,6 +447,10 @@ def default_fp8_launch(kind: str, m: int, n: int, k: int) -> dict[str, int | str
     CUTLASS there): the bf16 default's column tiles, with a K step of as many bytes (512 e4m3
     values) for the channel kind and one scale group for the block kind."""
     _check_kind(kind)
+    if kind in DECODE_KINDS:  # the bf16 kernel's M = 1 fma launches, in as many bytes a step
+        block_n = 2 if kind == "gated" else 4
+        return {"mode": "fma", "block_n": block_n, "block_k": 1024, "num_warps": 4,
+                "num_stages": 4, "split_k": 1}  # fmt: skip
     config = triton_gemv.default_launch(m, n, k) | {"mode": "dot_swap", "block_n": 32}
     if kind == "channel":
         return config | {"block_k": 512}
@@ -382,6 +479,8 @@ def resolve_fp8_launch(
             f"launch mode must be one of {KIND_MODES[kind]} for the FP8 {kind} kernel, got "
             f"{config['mode']!r}"
         )
+    if kind in DECODE_KINDS and config["split_k"] != 1:
+        raise ValueError(f"launch split_k must be 1 for the {kind} kind, got {config['split_k']!r}")
     if kind == "block":
         if config["block_k"] != SCALE_GROUP:
             raise ValueError(
@@ -539,6 +638,105 @@ def fp8_block_skinny_gemm(
         *scale_a.stride(),
         *scale_b.stride(),
         **_constexprs(m, config, a.device),
+    )
+    return out
+
+
+def _decode_constexprs(m: int, config: dict[str, int | str], device: torch.device) -> dict:
+    constexprs = _constexprs(m, config, device) | {"HW": not interpreting()}
+    del constexprs["SPLIT_K"]
+    return constexprs
+
+
+def fp8_weight_only_gemm(
+    x: torch.Tensor,
+    b: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    **launch: int | str,
+) -> torch.Tensor:
+    """out [M, N] in x's dtype = (x @ b^T) * scale_b (+ bias), the activation not quantized:
+    x bf16/fp16 [M, K] (K contiguous), b e4m3 [N, K] contiguous, scale_b fp32 with 1 or N values,
+    bias [N] in x's dtype; M <= triton_gemv.FMA_MAX_M (the fma body). `launch` overrides keys of
+    `fp8_launch_config("weight_only", ...)`."""
+    _check_out_dtype(x.dtype)
+    m, k = x.shape
+    n = b.shape[0]
+    assert b.dtype == FP8_DTYPE and b.shape[1] == k and x.stride(1) == 1 and b.stride(1) == 1
+    assert scale_b.numel() in (1, n) and (bias is None or bias.shape == (n,))
+    config = resolve_fp8_launch("weight_only", m, n, k, launch)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    _fp8_decode_kernel[(triton.cdiv(n, config["block_n"]),)](
+        x,
+        b,
+        scale_b,
+        scale_b,
+        bias if bias is not None else out,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        b.stride(0),
+        out.stride(0),
+        0,
+        _vector_stride(scale_b),
+        A_FP8=False,
+        GATED=False,
+        HAS_BIAS=bias is not None,
+        **_decode_constexprs(m, config, x.device),
+    )
+    return out
+
+
+def fp8_gated_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    **launch: int | str,
+) -> torch.Tensor:
+    """h [M, I] = silu_and_mul(scaled_mm(a, b, scale_a, scale_b, out_dtype)) in one kernel: a
+    e4m3 [M, K] with scale_a fp32 of 1 or M values, b e4m3 [2I, K] (I gate rows, then I up rows)
+    with scale_b fp32 of 1 or 2I values; M <= triton_gemv.FMA_MAX_M. `launch` overrides keys of
+    `fp8_launch_config("gated", M, 2I, K)`."""
+    _check_out_dtype(out_dtype)
+    m, k = a.shape
+    rows = b.shape[0]
+    i = rows // 2
+    assert a.dtype == FP8_DTYPE and b.dtype == FP8_DTYPE and rows == 2 * i and b.shape[1] == k
+    assert a.stride(1) == 1 and b.stride(1) == 1
+    assert scale_a.numel() in (1, m) and scale_b.numel() in (1, rows)
+    config = resolve_fp8_launch("gated", m, rows, k, launch)
+    if out is None:
+        out = torch.empty((m, i), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    _fp8_decode_kernel[(triton.cdiv(i, config["block_n"]),)](
+        a,
+        b,
+        scale_a,
+        scale_b,
+        out,
+        out,
+        m,
+        i,
+        k,
+        a.stride(0),
+        b.stride(0),
+        out.stride(0),
+        _vector_stride(scale_a),
+        _vector_stride(scale_b),
+        A_FP8=True,
+        GATED=True,
+        HAS_BIAS=False,
+        **_decode_constexprs(m, config, a.device),
     )
     return out
 

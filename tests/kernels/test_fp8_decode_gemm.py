@@ -1,0 +1,269 @@
+"""The FP8 decode kernels of kernels/triton_gemv_fp8.py ("weight_only": bf16 activations times
+an e4m3 weight; "gated": gate_up with SiLU-and-mul in the epilogue) and the CUDA bodies of
+compile/passes/fp8_linear_ops.py's ops that take them: under the interpreter on CPU (tiny
+shapes with ragged edges, the ops' dispatch with the quantized chain stubbed), on the device
+with CUDA (the Llama-3-8B shapes, a CUDA graph of both ops).
+
+The kernels' products are exact in float32 and their sums float32, so they differ from the
+float32 references by summation order and one rounding to the 16-bit output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compile.passes import fp8_linear_ops
+from compile.passes.fused_ops import silu_and_mul_ref
+from v1_engine.kernels import fp8
+
+_CUDA = torch.cuda.is_available()
+triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
+skinny = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8")
+interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
+
+ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+SMALL = {"block_n": 8, "block_k": 32, "num_warps": 4, "num_stages": 2}
+"""Tiles small enough that the tiny shapes span several programs and K steps."""
+
+
+def randn(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def quantized_weight(n: int, k: int, seed: int, per_channel: bool = True, device: str = "cpu"):
+    w = randn((n, k), seed, 0.05).to(device)
+    return fp8.per_token_fp8_quant_ref(w) if per_channel else fp8.scaled_fp8_quant_ref(w)
+
+
+def weight_only_ref(x, w, scale_w, bias=None) -> torch.Tensor:
+    """(x @ w^T) * scale_w (+ bias) in float32 from the same operands, rounded to x's dtype."""
+    out = (x.float() @ w.float().t()) * scale_w.float().reshape(1, -1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, ulps: float = 1.0) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    ulp = ULP[out.dtype] * ulps
+    scale = ref.float().abs().amax().item()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=ulp, atol=ulp * scale / 64)
+
+
+def strided(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] in a buffer whose rows sit K + 8 elements apart."""
+    wide = torch.zeros((x.shape[0], x.shape[1] + 8), dtype=x.dtype, device=x.device)
+    wide[:, 4 : 4 + x.shape[1]] = x
+    return wide[:, 4 : 4 + x.shape[1]]
+
+
+# ---- interpreter (CPU) -----------------------------------------------------------------------
+
+
+@interpreter_only
+@pytest.mark.parametrize("m", [1, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_weight_only_matches_reference_interpreted(m, dtype, per_channel):
+    # N = 40 and K = 88 leave partial column tiles (8) and K steps (32); x's rows are strided.
+    n, k = 40, 88
+    x = strided(randn((m, k), m).to(dtype))
+    w, scale_w = quantized_weight(n, k, seed=m + 1, per_channel=per_channel)
+    bias = randn((n,), 7).to(dtype) if per_channel else None
+    out = skinny.fp8_weight_only_gemm(x, w, scale_w, bias, mode="fma", **SMALL)
+    assert_matches(out, weight_only_ref(x, w, scale_w, bias))
+
+
+@interpreter_only
+@pytest.mark.parametrize("m", [1, 3, 4])
+@pytest.mark.parametrize("per_token", [True, False])
+def test_gated_matches_the_quantized_chain_interpreted(m, per_token):
+    # I = 40 gate rows then 40 up rows: the up half starts inside a column tile's stride.
+    i, k = 40, 88
+    x = randn((m, k), m)
+    a, scale_a = fp8.per_token_fp8_quant_ref(x) if per_token else fp8.scaled_fp8_quant_ref(x)
+    w, scale_w = quantized_weight(2 * i, k, seed=5)
+    out = skinny.fp8_gated_gemm(a, w, scale_a, scale_w, torch.bfloat16, mode="fma", **SMALL)
+    ref = silu_and_mul_ref(fp8.scaled_mm_ref(a, w, scale_a, scale_w, torch.bfloat16))
+    assert out.shape == (m, i)
+    assert_matches(out, ref, ulps=2.0)
+
+
+def test_decode_kind_launch_rules():
+    default = skinny.fp8_launch_config("weight_only", 1, 4096, 4096)
+    assert default["mode"] == "fma" and default["split_k"] == 1
+    assert skinny.fp8_launch_config("gated", 1, 28672, 4096)["block_n"] == 2
+    for kind, m, bad, match in (
+        ("weight_only", 8, {}, "'fma' needs M in 1..4"),
+        ("gated", 1, {"mode": "dot_swap", "block_n": 32}, "mode must be one of"),
+        ("weight_only", 1, {"split_k": 2}, "split_k must be 1"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            skinny.resolve_fp8_launch(kind, m, 4096, 4096, bad)
+    assert not skinny.prefers_fp8_skinny("weight_only", 1, 4096, 4096)  # empty until measured
+
+
+class Recorder:
+    def __init__(self, reference):
+        self.calls = 0
+        self.reference = reference
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.reference(*args)
+
+
+@pytest.fixture
+def chain(monkeypatch):
+    """The quantized chain's CUDA bodies stubbed by their references (CUTLASS cannot run on the
+    CPU), call counters on both decode kernels, the decode tables empty."""
+    from compile.passes import fused_quant_ops
+
+    stubs = {
+        "quant": Recorder(fp8.per_token_fp8_quant_ref),
+        "scaled_mm": Recorder(fp8.scaled_mm_ref),
+        "silu_quant": Recorder(lambda x, group_size: fused_quant_ops.silu_and_mul_quant_ref(x)),
+    }
+    monkeypatch.setattr(fp8, "_per_token_fp8_quant_cuda", stubs["quant"])
+    monkeypatch.setattr(fp8, "_scaled_mm_cuda", stubs["scaled_mm"])
+
+    class FusedQuant:
+        silu_and_mul_quant = stubs["silu_quant"]
+
+    monkeypatch.setattr(fused_quant_ops, "_triton", lambda: FusedQuant)
+    kernels = {}
+    for name in ("fp8_weight_only_gemm", "fp8_gated_gemm"):
+        kernels[name] = Recorder(getattr(skinny, name))
+        monkeypatch.setattr(skinny, name, lambda *a, _r=kernels[name], **kw: _r(*a, **kw))
+    for kind in skinny.DECODE_KINDS:
+        monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, kind, {})
+    monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
+    return stubs, kernels
+
+
+@interpreter_only
+def test_dynamic_linear_cuda_body_dispatch_interpreted(chain, monkeypatch):
+    """The quantized chain without a table entry, for another dtype and for M beyond the fma
+    body; the weight-only kernel (x not quantized) with one."""
+    stubs, kernels = chain
+    n, k = 40, 64
+    x = randn((3, k), 1).to(torch.bfloat16)
+    w, scale_w = quantized_weight(n, k, seed=2)
+    bias = randn((n,), 3).to(torch.bfloat16)
+    args = (x, w, scale_w, torch.bfloat16, bias)
+    want = fp8_linear_ops.fp8_dynamic_linear_ref(*args)
+    assert torch.equal(fp8_linear_ops.fp8_dynamic_linear_cuda(*args), want)
+    assert (stubs["quant"].calls, stubs["scaled_mm"].calls) == (1, 1)
+
+    launch = skinny.resolve_fp8_launch("weight_only", 3, n, k, SMALL)
+    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["weight_only"], (4, n, k), launch)
+    out = fp8_linear_ops.fp8_dynamic_linear_cuda(*args)
+    assert_matches(out, weight_only_ref(x, w, scale_w, bias))
+    assert kernels["fp8_weight_only_gemm"].calls == 1
+    # Not x's own quantization: the quantized chain differs by the e4m3 rounding of x.
+    assert not torch.equal(out, want)
+
+    fp8_linear_ops.fp8_dynamic_linear_cuda(x.float(), w, scale_w, torch.bfloat16, bias)
+    x8 = randn((8, k), 4).to(torch.bfloat16)
+    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["weight_only"], (8, n, k), launch)
+    fp8_linear_ops.fp8_dynamic_linear_cuda(x8, w, scale_w, torch.bfloat16, bias)
+    assert kernels["fp8_weight_only_gemm"].calls == 1
+    assert (stubs["quant"].calls, stubs["scaled_mm"].calls) == (3, 3)
+
+
+@interpreter_only
+def test_gated_mlp_cuda_body_dispatch_interpreted(chain, monkeypatch):
+    """The quantized chain unless both tables hold the shapes (and the activation stays in the
+    GEMM's dtype); with both, the gated kernel then the weight-only one."""
+    stubs, kernels = chain
+    i, k, n = 40, 64, 48
+    a, scale_a = fp8.per_token_fp8_quant_ref(randn((2, k), 1))
+    w_gu, s_gu = quantized_weight(2 * i, k, seed=2)
+    w_d, s_d = quantized_weight(n, i, seed=3)
+    args = (a, scale_a, w_gu, s_gu, w_d, s_d, torch.bfloat16, torch.bfloat16)
+    want = fp8_linear_ops.fp8_gated_mlp_ref(*args)
+    assert torch.equal(fp8_linear_ops.fp8_gated_mlp_cuda(*args), want)
+    assert (stubs["scaled_mm"].calls, stubs["silu_quant"].calls) == (2, 1)
+
+    gated = skinny.resolve_fp8_launch("gated", 2, 2 * i, k, SMALL)
+    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["gated"], (2, 2 * i, k), gated)
+    fp8_linear_ops.fp8_gated_mlp_cuda(*args)  # the down shape has no entry yet
+    assert kernels["fp8_gated_gemm"].calls == 0
+    down = skinny.resolve_fp8_launch("weight_only", 2, n, i, SMALL)
+    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["weight_only"], (2, n, i), down)
+    out = fp8_linear_ops.fp8_gated_mlp_cuda(*args)
+    h = silu_and_mul_ref(fp8.scaled_mm_ref(a, w_gu, scale_a, s_gu, torch.bfloat16))
+    assert_matches(out, weight_only_ref(h, w_d, s_d), ulps=2.0)
+    assert (kernels["fp8_gated_gemm"].calls, kernels["fp8_weight_only_gemm"].calls) == (1, 1)
+
+    fp8_linear_ops.fp8_gated_mlp_cuda(*args[:-1], torch.float32)  # a float32 model's SiLU input
+    assert kernels["fp8_gated_gemm"].calls == 1
+    assert (stubs["scaled_mm"].calls, stubs["silu_quant"].calls) == (6, 3)
+
+
+# ---- device ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 4])
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 14336), (6144, 4096)])
+def test_weight_only_llama3_shapes_gpu(m, n, k):
+    x = randn((m, k), m).to("cuda", torch.bfloat16)
+    w, scale_w = quantized_weight(n, k, seed=1, device="cuda")
+    out = skinny.fp8_weight_only_gemm(x, w, scale_w)
+    assert_matches(out, weight_only_ref(x, w, scale_w))
+    launch = {"block_n": 8, "block_k": 512, "num_stages": 3}
+    assert_matches(skinny.fp8_weight_only_gemm(x, w, scale_w, **launch), out, ulps=2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_gated_llama3_gate_up_gpu(m):
+    a, scale_a = fp8.per_token_fp8_quant_ref(randn((m, 4096), m).cuda())
+    w, scale_w = quantized_weight(28672, 4096, seed=2, device="cuda")
+    out = skinny.fp8_gated_gemm(a, w, scale_a, scale_w, torch.bfloat16)
+    ref = silu_and_mul_ref(fp8.scaled_mm_ref(a, w, scale_a, scale_w, torch.bfloat16))
+    assert_matches(out, ref, ulps=2.0)
+
+
+@pytest.mark.gpu
+def test_decode_ops_replay_in_a_cuda_graph_gpu(monkeypatch):
+    """Both ops with table entries for the Llama-3-8B shapes at M = 1, captured once and
+    replayed on new inputs: the replay equals an eager call, and is near the quantized chain."""
+    import compile.passes.fp8_linear_ops  # noqa: F401 - registers the ops
+
+    for kind, shape in (
+        ("weight_only", (4096, 4096)),
+        ("weight_only", (4096, 14336)),
+        ("gated", (28672, 4096)),
+    ):
+        key = (1, *shape)
+        monkeypatch.setitem(
+            skinny.FP8_TUNED_LAUNCH[kind], key, skinny.fp8_launch_config(kind, *key)
+        )
+    w_o, s_o = quantized_weight(4096, 4096, seed=1, device="cuda")
+    w_gu, s_gu = quantized_weight(28672, 4096, seed=2, device="cuda")
+    w_d, s_d = quantized_weight(4096, 14336, seed=3, device="cuda")
+    x = torch.zeros((1, 4096), device="cuda", dtype=torch.bfloat16)
+    ops = torch.ops.v1_engine
+
+    def step():
+        o = ops.fp8_dynamic_linear(x, w_o, s_o, torch.bfloat16, None)
+        q, scale = fp8.per_token_fp8_quant(o)
+        bf16 = torch.bfloat16
+        return ops.fp8_gated_mlp(q, scale, w_gu, s_gu, w_d, s_d, bf16, bf16)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (4, 5):
+        x.copy_(randn((1, 4096), seed).cuda().to(torch.bfloat16))
+        graph.replay()
+        eager = step()
+        assert torch.equal(captured, eager)
+        monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", False)
+        quantized = step()
+        monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
+        scale = quantized.float().abs().amax().item()
+        assert (eager.float() - quantized.float()).abs().amax().item() < 0.1 * scale
