@@ -232,6 +232,12 @@ def append_results(title: str, command: str, body: str) -> None:
 TABLE_KINDS = ("bf16", "fp8", "fp8_skinny", "fused_mlp")
 
 
+def read_gemm_tables(path: str) -> dict[str, list]:
+    """The tables of a `write_gemm_tables` file by kind ({} where the file does not exist)."""
+    file = Path(path)
+    return json.loads(file.read_text()) if file.exists() else {}
+
+
 def write_gemm_tables(path: str, kind: str, rows: list[list]) -> None:
     """Writes (or adds to) a GEMM table file that `apply_gemm_tables` reads: `kind` "bf16" rows
     are GEMM_TUNED entries [M bucket, N, K, config, decomposition, splits]
@@ -241,10 +247,9 @@ def write_gemm_tables(path: str, kind: str, rows: list[list]) -> None:
     TUNED_LAUNCH entries [M bucket, I, N, launch dict] (kernels/triton_mlp.py)."""
     if kind not in TABLE_KINDS:
         raise ValueError(f"kind must be one of {TABLE_KINDS}, got {kind!r}")
-    file = Path(path)
-    tables = json.loads(file.read_text()) if file.exists() else {}
+    tables = read_gemm_tables(path)
     tables[kind] = rows
-    file.write_text(json.dumps(tables))
+    Path(path).write_text(json.dumps(tables))
 
 
 def apply_gemm_tables(path: str) -> str:

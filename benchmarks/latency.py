@@ -33,6 +33,7 @@ from bench_utils import (
 )
 
 from v1_engine import LLM, SamplingParams
+from v1_engine.config import CompilationConfig
 
 
 def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -110,6 +111,12 @@ def main() -> None:
         help="comma-separated fusion passes to apply instead of the default set (A/B of a pass)",
     )
     parser.add_argument(
+        "--add-fusion-passes",
+        default=None,
+        help="comma-separated fusion passes to apply on top of the default set (A/B of an "
+        "opt-in pass)",
+    )
+    parser.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -132,8 +139,13 @@ def main() -> None:
     prefill_lens = [int(n) for n in args.prefill_lens.split(",") if n]
 
     compilation: int | dict = args.compilation_level
-    if args.fusion_passes is not None:
-        passes = [p for p in args.fusion_passes.split(",") if p]
+    if args.fusion_passes is not None or args.add_fusion_passes:
+        if args.fusion_passes is not None:
+            passes = [p for p in args.fusion_passes.split(",") if p]
+        else:
+            passes = CompilationConfig().effective_fusion_passes("cuda")
+        passes += [p for p in (args.add_fusion_passes or "").split(",") if p and p not in passes]
+        args.fusion_passes = ",".join(passes)
         compilation = {"level": args.compilation_level, "fusion_passes": passes}
     shape = ModelShape.from_config(args.model)
     longest = max(prefill_lens + [args.input_len + args.decode_steps + 1]) + 128

@@ -23,6 +23,16 @@ then each shape gets a time budget, most promising configs first.
     python benchmarks/sweep_skinny_gemm.py --m 32,64 --split-k 2,4,8 --shapes qkv,o_proj,down
     python benchmarks/sweep_skinny_gemm.py --fp8 block --m 1,16,64 --split-k 2,4,8 \
         --shapes o_proj,down,o_proj_70b,down_70b
+
+The FP8 decode kinds (fma body, M <= 4; `--json` gathers the entries of several sweeps in one
+file for `latency.py --gemm-tables`):
+
+    python benchmarks/sweep_skinny_gemm.py --fp8 channel --modes fma --m 1,2,4 \
+        --shapes qkv,o_proj,gate_up,down --json fp8_decode.json
+    python benchmarks/sweep_skinny_gemm.py --fp8 weight_only --m 1,2,4 \
+        --shapes o_proj,down --json fp8_decode.json
+    python benchmarks/sweep_skinny_gemm.py --fp8 gated --m 1,2,4 --shapes gate_up \
+        --json fp8_decode.json
 """
 
 from __future__ import annotations
@@ -45,9 +55,10 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_utils import HBM_BYTES_PER_S, write_gemm_tables
+from bench_utils import HBM_BYTES_PER_S, read_gemm_tables, write_gemm_tables
 
-from v1_engine.kernels import fp8, fp8_cutlass, triton_gemv
+from compile.passes.fused_ops import silu_and_mul_ref
+from v1_engine.kernels import fp8, fp8_cutlass, triton_fused_quant, triton_gemv
 from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
 from v1_engine.layers.quantization.fp8_moe import quantize_matrix_block_fp8
 
@@ -72,8 +83,12 @@ FMA_MAX_M = triton_gemv.FMA_MAX_M
 """The fma body keeps M rows of partial products in registers: only small M."""
 
 
-KINDS = ("bf16", "channel", "block")
-"""bf16: triton_gemv vs cuBLAS; channel / block: triton_gemv_fp8's kinds vs CUTLASS."""
+KINDS = ("bf16", "channel", "block", "weight_only", "gated")
+"""bf16: triton_gemv vs cuBLAS; channel / block: triton_gemv_fp8's kinds vs CUTLASS;
+weight_only: the bf16-activation kernel vs CUTLASS on the quantized activation (its quant kernel
+not counted: a conservative comparison where the op saves it, o_proj); gated: gate_up with
+SiLU-and-mul in the epilogue vs the CUTLASS GEMM + the SiLU-and-mul + quant kernel it replaces
+(shape gate_up)."""
 
 
 def element_bytes(kind: str) -> int:
@@ -84,7 +99,7 @@ def block_ks(kind: str, fma: bool) -> tuple[int, ...]:
     """K steps, most promising first: the block kind steps one 128-wide scale group."""
     if kind == "block":
         return (fp8_skinny.SCALE_GROUP,)
-    if kind == "channel":
+    if kind != "bf16":  # e4m3 weights: twice the bf16 kernel's K step, as many bytes
         return (1024, 512, 2048, 256) if fma else (512, 1024, 256)
     return (512, 256, 1024) if fma else (256, 128, 512)
 
@@ -256,9 +271,10 @@ class Problem:
             self.weights = [w] + [w.clone() for _ in range(copies - 1)]
             self.xs = xs
             return
-        if kind == "channel":
+        if kind in ("channel", "weight_only", "gated"):
             qw, self.scale_w = fp8.per_token_fp8_quant(w)
             self.xs = {m: fp8.per_token_fp8_quant(x) for m, x in xs.items()}
+            self.bf16_xs = xs
         else:
             qw, self.scale_w = quantize_matrix_block_fp8(w)
             self.xs = {m: fp8.per_token_group_fp8_quant(x, 128) for m, x in xs.items()}
@@ -268,8 +284,11 @@ class Problem:
         if self.kind == "bf16":
             return F.linear(self.xs[m], w)
         a, scale_a = self.xs[m]
-        if self.kind == "channel":
+        if self.kind in ("channel", "weight_only"):
             return fp8_cutlass.scaled_mm_cutlass(a, w, scale_a, self.scale_w, torch.bfloat16)
+        if self.kind == "gated":
+            gate_up = fp8_cutlass.scaled_mm_cutlass(a, w, scale_a, self.scale_w, torch.bfloat16)
+            return triton_fused_quant.silu_and_mul_quant(gate_up, None)
         return fp8_cutlass.block_scaled_mm_cutlass(a, w, scale_a, self.scale_w, torch.bfloat16)
 
     def reference(self, m: int, w: torch.Tensor) -> torch.Tensor:
@@ -281,6 +300,11 @@ class Problem:
         a, scale_a = self.xs[m]
         if self.kind == "channel":
             return fp8.scaled_mm_ref(a, w, scale_a, self.scale_w, torch.bfloat16)
+        if self.kind == "weight_only":  # the activation not quantized
+            x = self.bf16_xs[m]
+            return ((x.float() @ w.float().t()) * self.scale_w.reshape(1, -1)).to(x.dtype)
+        if self.kind == "gated":
+            return silu_and_mul_ref(fp8.scaled_mm_ref(a, w, scale_a, self.scale_w, torch.bfloat16))
         return fp8.block_scaled_mm_ref(a, w, scale_a, self.scale_w, torch.bfloat16)
 
     def skinny(self, m: int, w: torch.Tensor, launch: dict) -> torch.Tensor:
@@ -289,6 +313,10 @@ class Problem:
         a, scale_a = self.xs[m]
         if self.kind == "channel":
             return fp8_skinny.fp8_skinny_gemm(a, w, scale_a, self.scale_w, torch.bfloat16, **launch)
+        if self.kind == "weight_only":
+            return fp8_skinny.fp8_weight_only_gemm(self.bf16_xs[m], w, self.scale_w, **launch)
+        if self.kind == "gated":
+            return fp8_skinny.fp8_gated_gemm(a, w, scale_a, self.scale_w, torch.bfloat16, **launch)
         return fp8_skinny.fp8_block_skinny_gemm(
             a, w, scale_a, self.scale_w, torch.bfloat16, **launch
         )
@@ -394,7 +422,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--fp8",
-        choices=("channel", "block"),
+        choices=("channel", "block", "weight_only", "gated"),
         default=None,
         help="sweep the FP8 skinny GEMM of this kind against CUTLASS (default: bf16 vs cuBLAS)",
     )
@@ -438,8 +466,13 @@ def main() -> None:
     table |= swept
     if args.json:
         rows = [[kind, *key, launch] for key, launch in swept.items()]
-        write_gemm_tables(args.json, "fp8_skinny", rows)
-        print(f"wrote {len(rows)} FP8 skinny entries to {args.json}")
+        kept = [
+            row
+            for row in read_gemm_tables(args.json).get("fp8_skinny", [])
+            if (row[0], *row[1:4]) not in {(kind, *key) for key in swept}
+        ]
+        write_gemm_tables(args.json, "fp8_skinny", kept + rows)
+        print(f"wrote {len(rows)} FP8 skinny entries to {args.json} ({len(kept)} others kept)")
     print(f"\nsuggested table ({time.perf_counter() - begin:.0f} s in all; the current one with")
     print("the swept entries replaced or added):")
     print("TUNED_LAUNCH = {" if kind == "bf16" else f"FP8_TUNED_LAUNCH[{kind!r}] = {{")

@@ -749,8 +749,18 @@ def precompile_fp8(
     kind): lets a tuning sweep compile its configurations in parallel processes. Scale strides
     are never specialized, so one compile serves every scale granularity."""
     config = resolve_fp8_launch(kind, m, n, k, launch)
-    constexprs = _constexprs(m, config, torch.device("cuda"))
     fp8, fp32 = FP8_DTYPE, torch.float32
+    if kind in DECODE_KINDS:  # "gated": n weight rows, n // 2 output columns
+        gated = kind == "gated"
+        a_dtype = fp8 if gated else out_dtype
+        cols = n // 2 if gated else n
+        args = (a_dtype, fp8, fp32, fp32, out_dtype, out_dtype, m, cols, k, k, k, cols, 1, 1)
+        constexprs = _decode_constexprs(m, config, torch.device("cuda"))
+        _fp8_decode_kernel.warmup(
+            *args, grid=(1,), A_FP8=gated, GATED=gated, HAS_BIAS=False, **constexprs
+        )
+        return
+    constexprs = _constexprs(m, config, torch.device("cuda"))
     split = config["split_k"] > 1
     workspace = (fp32 if split else out_dtype, torch.int32 if split else out_dtype)
     sizes = (m, n, k, triton_gemv.k_per_split(k, config), k, k, n)
