@@ -93,6 +93,12 @@ def test_decode_kind_launch_rules():
     default = skinny.fp8_launch_config("weight_only", 1, 4096, 4096)
     assert default["mode"] == "fma" and default["split_k"] == 1
     assert skinny.fp8_launch_config("gated", 1, 28672, 4096)["block_n"] == 2
+    # The K step shrinks with M: the float32 accumulator stays at 32 registers a thread.
+    assert [skinny.fp8_launch_config("weight_only", m, 64, 64)["block_k"] for m in (1, 2, 3)] == [
+        1024,
+        512,
+        256,
+    ]
     for kind, m, bad, match in (
         ("weight_only", 8, {}, "'fma' needs M in 1..4"),
         ("gated", 1, {"mode": "dot_swap", "block_n": 32}, "mode must be one of"),

@@ -447,9 +447,12 @@ def default_fp8_launch(kind: str, m: int, n: int, k: int) -> dict[str, int | str
     CUTLASS there): the bf16 default's column tiles, with a K step of as many bytes (512 e4m3
     values) for the channel kind and one scale group for the block kind."""
     _check_kind(kind)
-    if kind in DECODE_KINDS:  # the bf16 kernel's M = 1 fma launches, in as many bytes a step
+    if kind in DECODE_KINDS:
+        # The bf16 kernel's M = 1 fma launches in as many bytes a K step; the K step shrinks as
+        # M grows, so the float32 accumulator stays at 32 registers a thread.
         block_n = 2 if kind == "gated" else 4
-        return {"mode": "fma", "block_n": block_n, "block_k": 1024, "num_warps": 4,
+        block_k = max(128, 1024 // m_bucket(m))
+        return {"mode": "fma", "block_n": block_n, "block_k": block_k, "num_warps": 4,
                 "num_stages": 4, "split_k": 1}  # fmt: skip
     config = triton_gemv.default_launch(m, n, k) | {"mode": "dot_swap", "block_n": 32}
     if kind == "channel":
