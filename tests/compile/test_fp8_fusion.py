@@ -85,6 +85,15 @@ def fresh_dynamo():
 # ---- the passes on the traced FP8 Llama forward ---------------------------------------------
 
 
+def tiny_fp8_llama(config, path) -> torch.nn.Module:
+    """The tiny Llama in float32 on the CPU, its linears quantized online to FP8."""
+    cpu = torch.device("cpu")
+    return get_model(
+        config, str(path), dtype=torch.float32, device=cpu, load_format="auto", seed=0,
+        quantization="fp8",
+    )  # fmt: skip
+
+
 def _count_ops(gm: torch.fx.GraphModule) -> dict[str, int]:
     counts: dict[str, int] = {}
     for node in gm.graph.nodes:
@@ -109,15 +118,7 @@ def test_fp8_passes_on_tiny_llama_forward(tiny_llama_dir, names):
     config = load_hf_config(str(tiny_llama_dir))
     CompilationConfig(fusion_passes=names).verify()
     cpu = torch.device("cpu")
-    model = get_model(
-        config,
-        str(tiny_llama_dir),
-        dtype=torch.float32,
-        device=cpu,
-        load_format="auto",
-        seed=0,
-        quantization="fp8",
-    )
+    model = tiny_fp8_llama(config, tiny_llama_dir)
     base = [(name, FUSION_PASSES[name]) for name in ("add_rms_norm", "silu_and_mul")]
     graphs: list[torch.fx.GraphModule] = []
     passes = [(name, FUSION_PASSES[name]) for name in names] + [("record", graphs.append)]
@@ -155,15 +156,7 @@ def test_fp8_decode_passes_on_tiny_llama_forward(tiny_llama_dir):
     without the decode passes."""
     config = load_hf_config(str(tiny_llama_dir))
     cpu = torch.device("cpu")
-    model = get_model(
-        config,
-        str(tiny_llama_dir),
-        dtype=torch.float32,
-        device=cpu,
-        load_format="auto",
-        seed=0,
-        quantization="fp8",
-    )
+    model = tiny_fp8_llama(config, tiny_llama_dir)
     quant_names = ("rms_norm_fp8_quant", "silu_and_mul_fp8_quant")
     base = [(name, FUSION_PASSES[name]) for name in quant_names]
     graphs: list[torch.fx.GraphModule] = []
@@ -233,15 +226,7 @@ def test_fp8_passes_under_inductor_keep_the_tiny_llama_forward(tiny_llama_dir):
     result still equals the eager model exactly."""
     config = load_hf_config(str(tiny_llama_dir))
     cpu = torch.device("cpu")
-    model = get_model(
-        config,
-        str(tiny_llama_dir),
-        dtype=torch.float32,
-        device=cpu,
-        load_format="auto",
-        seed=0,
-        quantization="fp8",
-    )
+    model = tiny_fp8_llama(config, tiny_llama_dir)
     names = ("rms_norm_fp8_quant", "silu_and_mul_fp8_quant")
     forward = CompiledForward(model, passes=[(n, FUSION_PASSES[n]) for n in names])
     with (

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_triton_gemv_fp8 import Recorder
 
 from compile.passes import fp8_linear_ops
 from compile.passes.fused_ops import silu_and_mul_ref
@@ -107,16 +108,6 @@ def test_decode_kind_launch_rules():
         with pytest.raises(ValueError, match=match):
             skinny.resolve_fp8_launch(kind, m, 4096, 4096, bad)
     assert not skinny.prefers_fp8_skinny("weight_only", 1, 4096, 4096)  # empty until measured
-
-
-class Recorder:
-    def __init__(self, reference):
-        self.calls = 0
-        self.reference = reference
-
-    def __call__(self, *args):
-        self.calls += 1
-        return self.reference(*args)
 
 
 @pytest.fixture

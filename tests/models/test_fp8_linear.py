@@ -462,20 +462,21 @@ def test_fp8_on_cuda_tracks_bfloat16(scheme, tmp_path):
     assert fp8_bytes <= ref_bytes - linear_numel * 0.9  # bf16 → e4m3: one byte per weight saved
 
 
+def save_cuda_sized_llama(path: Path, tokenizer) -> None:
+    """hidden 256, head_dim 64, intermediate 384: every K a multiple of 128, as CUDA needs."""
+    save_scaled_tiny_llama(
+        path, hidden_size=256, intermediate_size=384, head_dim=64, vocab_size=len(tokenizer),
+        tokenizer=tokenizer,
+    )  # fmt: skip
+
+
 @pytest.mark.gpu
 def test_fp8_model_compiled_with_graphs_on_cuda_follows_eager(tmp_path, default_tokenizer):
     """Online FP8 at -O2 (torch.compile + piecewise and decode CUDA graphs) on CUDA: the CUTLASS
     and Triton ops trace and capture, and greedy tokens follow the eager FP8 model's."""
     from v1_engine import LLM, SamplingParams
 
-    save_scaled_tiny_llama(
-        tmp_path,
-        hidden_size=256,
-        intermediate_size=384,
-        head_dim=64,
-        vocab_size=len(default_tokenizer),
-        tokenizer=default_tokenizer,
-    )
+    save_cuda_sized_llama(tmp_path, default_tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [PROMPT, PROMPT[:3], PROMPT[1:]]
     kwargs = {"dtype": "bfloat16", "quantization": "fp8", "max_model_len": 128, "num_kv_blocks": 64}
@@ -508,14 +509,7 @@ def test_fp8_decode_ops_in_the_engine_follow_the_quantized_chain_gpu(
     from v1_engine.config import CompilationConfig
     from v1_engine.kernels import triton_gemv_fp8 as skinny
 
-    save_scaled_tiny_llama(
-        tmp_path,
-        hidden_size=256,
-        intermediate_size=384,
-        head_dim=64,
-        vocab_size=len(default_tokenizer),
-        tokenizer=default_tokenizer,
-    )
+    save_cuda_sized_llama(tmp_path, default_tokenizer)
     calls = {"fp8_weight_only_gemm": 0, "fp8_gated_gemm": 0}
     for name in calls:
         kernel = getattr(skinny, name)

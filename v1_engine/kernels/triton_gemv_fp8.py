@@ -651,6 +651,43 @@ def _decode_constexprs(m: int, config: dict[str, int | str], device: torch.devic
     return constexprs
 
 
+def _launch_decode(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor | None,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: dict[str, int | str],
+) -> torch.Tensor:
+    """`_fp8_decode_kernel` over out's columns: weight-only without scale_a, gated with it."""
+    m, cols = out.shape
+    if m == 0:
+        return out
+    gated = scale_a is not None
+    _fp8_decode_kernel[(triton.cdiv(cols, config["block_n"]),)](
+        a,
+        b,
+        scale_a if gated else scale_b,
+        scale_b,
+        bias if bias is not None else out,
+        out,
+        m,
+        cols,
+        a.shape[1],
+        a.stride(0),
+        b.stride(0),
+        out.stride(0),
+        _vector_stride(scale_a) if gated else 0,
+        _vector_stride(scale_b),
+        A_FP8=gated,
+        GATED=gated,
+        HAS_BIAS=bias is not None,
+        **_decode_constexprs(m, config, a.device),
+    )
+    return out
+
+
 def fp8_weight_only_gemm(
     x: torch.Tensor,
     b: torch.Tensor,
@@ -671,29 +708,7 @@ def fp8_weight_only_gemm(
     config = resolve_fp8_launch("weight_only", m, n, k, launch)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    _fp8_decode_kernel[(triton.cdiv(n, config["block_n"]),)](
-        x,
-        b,
-        scale_b,
-        scale_b,
-        bias if bias is not None else out,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        b.stride(0),
-        out.stride(0),
-        0,
-        _vector_stride(scale_b),
-        A_FP8=False,
-        GATED=False,
-        HAS_BIAS=bias is not None,
-        **_decode_constexprs(m, config, x.device),
-    )
-    return out
+    return _launch_decode(x, b, None, scale_b, bias, out, config)
 
 
 def fp8_gated_gemm(
@@ -719,29 +734,7 @@ def fp8_gated_gemm(
     config = resolve_fp8_launch("gated", m, rows, k, launch)
     if out is None:
         out = torch.empty((m, i), dtype=out_dtype, device=a.device)
-    if m == 0:
-        return out
-    _fp8_decode_kernel[(triton.cdiv(i, config["block_n"]),)](
-        a,
-        b,
-        scale_a,
-        scale_b,
-        out,
-        out,
-        m,
-        i,
-        k,
-        a.stride(0),
-        b.stride(0),
-        out.stride(0),
-        _vector_stride(scale_a),
-        _vector_stride(scale_b),
-        A_FP8=True,
-        GATED=True,
-        HAS_BIAS=False,
-        **_decode_constexprs(m, config, a.device),
-    )
-    return out
+    return _launch_decode(a, b, scale_a, scale_b, None, out, config)
 
 
 def precompile_fp8(
