@@ -198,6 +198,18 @@ def test_gated_mlp_cuda_body_dispatch_interpreted(chain, monkeypatch):
     assert (stubs["scaled_mm"].calls, stubs["silu_quant"].calls) == (6, 3)
 
 
+def test_fma_kernels_compile_for_sm90_without_spills(run_compile_probe):
+    """The fma launches the sweeps start from, compiled for sm_90 (fp8_decode_probe.py): no
+    spills, no tensor-core instructions, e4m3 upcast by the packed two-value conversion, the
+    weight tiles multi-buffered in shared memory (cp.async pipelining)."""
+    report = run_compile_probe("fp8_decode_probe.py")
+    assert len(report) == 6
+    for name, case in report.items():
+        assert case["stack"] == 0 and case["registers"] <= 128, (name, case)
+        assert case["e4m3_to_f16x2"] > 0 and not case["tensor_core"], (name, case)
+        assert case["shared"] > 0, (name, case)
+
+
 # ---- device ----------------------------------------------------------------------------------
 
 

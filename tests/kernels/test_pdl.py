@@ -13,6 +13,7 @@ from v1_engine.kernels import pdl
 PDL_KERNELS = {
     "_add_rms_norm_kernel",
     "_fp8_block_skinny_kernel",
+    "_fp8_decode_kernel",
     "_fp8_skinny_kernel",
     "_group_quant_kernel",
     "_merge_splits_kernel",
@@ -33,6 +34,7 @@ LATE_RELEASE = {
     "_skinny_gemm_kernel",
     "_fp8_skinny_kernel",
     "_fp8_block_skinny_kernel",
+    "_fp8_decode_kernel",
     "_paged_attention_kernel",
     "_mla_decode_kernel",
     "_moe_gemm_kernel",

@@ -1,0 +1,78 @@
+"""Compiles the FP8 decode-size fma kernels (kernels/triton_gemv_fp8.py: the channel kind's fma
+body, the weight_only and gated kinds) for sm_90 (no GPU needed) at the launches their sweeps
+start from, and prints, as JSON per case, registers, spills, the e4m3 conversions in the PTX and
+the shared memory the pipeliner gave the tiles. Run by test_fp8_decode_gemm.py in a fresh
+process (the kernel tests turn on Triton's interpreter, which accepts code the GPU compiler may
+reject). The launchers run on CPU tensors with the kernels' `run` replaced by a recorder (as in
+pipeline_probe.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import pdl_ptx_probe as probe
+import torch
+from pipeline_probe import compile_recorded, register_usage
+
+from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
+
+CASES = {  # name: (kind, M, N, K, block_n, block_k); Llama-3-8B shapes
+    "channel_down_m1": ("channel", 1, 4096, 14336, 4, 1024),
+    "channel_gate_up_m4": ("channel", 4, 28672, 4096, 4, 256),
+    "weight_only_o_proj_m1": ("weight_only", 1, 4096, 4096, 4, 1024),
+    "weight_only_down_m4": ("weight_only", 4, 4096, 14336, 4, 256),
+    "gated_gate_up_m1": ("gated", 1, 28672, 4096, 2, 1024),
+    "gated_gate_up_m2": ("gated", 2, 28672, 4096, 2, 512),
+}
+KERNELS = {"channel": "_fp8_skinny_kernel", "weight_only": "_fp8_decode_kernel",
+           "gated": "_fp8_decode_kernel"}  # fmt: skip
+
+
+def describe(kernel_name: str) -> dict:
+    compiled, options, _ = compile_recorded(kernel_name)
+    probe.recorded.clear()
+    registers, stack = register_usage(compiled)
+    ptx = compiled.asm["ptx"]
+    return {
+        "registers": registers,
+        "stack": stack,
+        "e4m3_to_f16x2": len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)),
+        "tensor_core": "mma." in ptx or "wgmma" in ptx,
+        "shared": compiled.metadata.shared,
+        "num_warps": options["num_warps"],
+    }
+
+
+def main() -> None:
+    for kernel in (fp8_skinny._fp8_skinny_kernel, fp8_skinny._fp8_decode_kernel):
+        kernel.run = probe._recorder(kernel)
+    fp8 = fp8_skinny.FP8_DTYPE
+    results = {}
+    for name, (kind, m, n, k, block_n, block_k) in CASES.items():
+        b = torch.zeros(n, k, dtype=fp8)
+        launch = {"mode": "fma", "block_n": block_n, "block_k": block_k, "num_warps": 4,
+                  "num_stages": 4}  # fmt: skip
+        if kind == "channel":
+            a = torch.zeros(m, k, dtype=fp8)
+            fp8_skinny.fp8_skinny_gemm(
+                a, b, torch.ones(m, 1), torch.ones(n, 1), torch.bfloat16, **launch
+            )
+        elif kind == "weight_only":
+            x = torch.zeros(m, k, dtype=torch.bfloat16)
+            fp8_skinny.fp8_weight_only_gemm(x, b, torch.ones(n, 1), **launch)
+        else:
+            a = torch.zeros(m, k, dtype=fp8)
+            fp8_skinny.fp8_gated_gemm(
+                a, b, torch.ones(m, 1), torch.ones(n, 1), torch.bfloat16, **launch
+            )
+        results[name] = describe(KERNELS[kind])
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
