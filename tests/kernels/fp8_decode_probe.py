@@ -1,7 +1,8 @@
 """Compiles the FP8 decode-size fma kernels (kernels/triton_gemv_fp8.py: the channel kind's fma
 body, the weight_only and gated kinds) for sm_90 (no GPU needed) at the launches their sweeps
-start from, and prints, as JSON per case, registers, spills, the e4m3 conversions in the PTX and
-the shared memory the pipeliner gave the tiles. Run by test_fp8_decode_gemm.py in a fresh
+start from, and prints, as JSON per case, registers, spills, the e4m3 conversions in the PTX,
+shared-memory loads of single bytes in the SASS and the shared memory the pipeliner gave the
+tiles. Run by test_fp8_decode_gemm.py in a fresh
 process (the kernel tests turn on Triton's interpreter, which accepts code the GPU compiler may
 reject). The launchers run on CPU tensors with the kernels' `run` replaced by a recorder (as in
 pipeline_probe.py)."""
@@ -11,12 +12,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 
 import pdl_ptx_probe as probe
 import torch
+import triton
 from pipeline_probe import compile_recorded, register_usage
 
 from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
@@ -33,6 +37,18 @@ KERNELS = {"channel": "_fp8_skinny_kernel", "weight_only": "_fp8_decode_kernel",
            "gated": "_fp8_decode_kernel"}  # fmt: skip
 
 
+def sass(compiled) -> str:
+    """The kernel's SASS, by the cuobjdump Triton ships."""
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        return subprocess.run(
+            [os.path.join(tools, "cuobjdump"), "-sass", cubin.name],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+
+
 def describe(kernel_name: str) -> dict:
     compiled, options, _ = compile_recorded(kernel_name)
     probe.recorded.clear()
@@ -41,6 +57,7 @@ def describe(kernel_name: str) -> dict:
     return {
         "registers": registers,
         "stack": stack,
+        "byte_smem_loads": len(re.findall(r"\bLDS\.U8\b", sass(compiled))),
         "e4m3_to_f16x2": len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)),
         "tensor_core": "mma." in ptx or "wgmma" in ptx,
         "shared": compiled.metadata.shared,

@@ -202,6 +202,17 @@ def _fma_step(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _fma_row_step(a_row, b_ptrs, row_mask, n_mask, k_mask, DOT_F32: tl.constexpr):
+    """_fma_step for one activation row (BLOCK_M = 1): the products in a 2-D [BLOCK_N, BLOCK_K]
+    layout, whose loads stay 16-byte vectors (the 3-D broadcast of _fma_step has Triton read an
+    e4m3 tile from shared memory byte by byte: twice the instructions a K step, on sm_90)."""
+    b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                eviction_policy="evict_first")  # fmt: skip
+    a = tl.load(a_row, mask=k_mask & row_mask, other=0.0, eviction_policy="evict_last")
+    return _to_f32(a, DOT_F32)[None, :] * _to_f32(b, DOT_F32)
+
+
+@triton.jit
 def _store_rows(out_ptr, result, offs_m, offs_n, m_mask, n_mask, stride_om):
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
@@ -251,21 +262,32 @@ def _fp8_skinny_kernel(
     m_mask = offs_m < M
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + (k_start + offs_k)[None, :]
     b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + (k_start + offs_k)[None, :]
+    a_row = a_ptr + k_start + offs_k  # row 0: the fma body at BLOCK_M = 1
     if FMA:
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if BLOCK_M == 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k[None, :] < k_end - k
         if FMA:
-            acc += _fma_step(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
+            if BLOCK_M == 1:
+                acc += _fma_row_step(a_row, b_ptrs, m_mask, n_mask, offs_k < k_end - k, DOT_F32)
+            else:
+                acc += _fma_step(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
         else:
             acc += _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
         a_ptrs += BLOCK_K
+        a_row += BLOCK_K
         b_ptrs += BLOCK_K
     pdl_release(PDL)
     if FMA:
-        result = tl.sum(acc, axis=2)
+        if BLOCK_M == 1:
+            result = tl.sum(acc, axis=1)[None, :]
+        else:
+            result = tl.sum(acc, axis=2)
     else:
         result = tl.trans(acc)
     epilogue = (scale_a_ptr, scale_b_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask,
@@ -403,31 +425,41 @@ def _fp8_decode_kernel(
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     g_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
     u_ptrs = g_ptrs + N.to(tl.int64) * stride_bn
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    a_row = a_ptr + offs_k  # row 0: BLOCK_M = 1 keeps 2-D tiles (see _fma_row_step)
+    if BLOCK_M == 1:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros_like(acc_g)
     for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k_mask = offs_k[None, :] < K - k
-        w_mask = n_mask[:, None] & k_mask
-        g = tl.load(g_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask, other=0.0,
-                    eviction_policy="evict_last")  # fmt: skip
-        a32 = _to_f32(a, DOT_F32)[:, None, :]
-        acc_g += a32 * _to_f32(g, DOT_F32)[None, :, :]
-        if GATED:
-            u = tl.load(u_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-            acc_u += a32 * _to_f32(u, DOT_F32)[None, :, :]
-            u_ptrs += BLOCK_K
+        if BLOCK_M == 1:
+            k_row = offs_k < K - k
+            acc_g += _fma_row_step(a_row, g_ptrs, m_mask, n_mask, k_row, DOT_F32)
+            if GATED:
+                acc_u += _fma_row_step(a_row, u_ptrs, m_mask, n_mask, k_row, DOT_F32)
+        else:
+            k_mask = offs_k[None, :] < K - k
+            acc_g += _fma_step(a_ptrs, g_ptrs, m_mask, n_mask, k_mask, DOT_F32)
+            if GATED:
+                acc_u += _fma_step(a_ptrs, u_ptrs, m_mask, n_mask, k_mask, DOT_F32)
+        u_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
+        a_row += BLOCK_K
         g_ptrs += BLOCK_K
     pdl_release(PDL)
     dtype = out_ptr.dtype.element_ty
-    gate = tl.sum(acc_g, axis=2)
+    if BLOCK_M == 1:
+        gate = tl.sum(acc_g, axis=1)[None, :]
+        up = tl.sum(acc_u, axis=1)[None, :]
+    else:
+        gate = tl.sum(acc_g, axis=2)
+        up = tl.sum(acc_u, axis=2)
     if A_FP8:
         scale_a = tl.load(scale_a_ptr + offs_m * stride_sa, mask=m_mask, other=0.0)
         gate = gate * scale_a[:, None]
     gate = gate * tl.load(scale_b_ptr + offs_n * stride_sb, mask=n_mask, other=0.0)[None, :]
     if GATED:
-        up = tl.sum(acc_u, axis=2) * scale_a[:, None]
+        up = up * scale_a[:, None]
         up_scale = tl.load(scale_b_ptr + (N + offs_n) * stride_sb, mask=n_mask, other=0.0)
         result = _silu_mul(gate, up * up_scale[None, :], dtype, HW)
     else:
