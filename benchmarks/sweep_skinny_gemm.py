@@ -105,9 +105,13 @@ def block_ks(kind: str, fma: bool) -> tuple[int, ...]:
 
 
 def smem_bytes(kind: str, launch: dict, m: int) -> int:
-    """Shared memory of the pipeline buffers: num_stages weight and x tiles."""
-    rows = launch["block_n"] + triton_gemv.block_rows(launch["mode"], m)
-    return launch["num_stages"] * rows * launch["block_k"] * element_bytes(kind)
+    """Shared memory of the pipeline buffers: num_stages weight and x tiles (the gated kind
+    reads two weight tiles, weight_only a bf16 x)."""
+    weight_rows = launch["block_n"] * (2 if kind == "gated" else 1)
+    x_bytes = 2 if kind in ("bf16", "weight_only") else 1
+    x_rows = triton_gemv.block_rows(launch["mode"], m)
+    step = weight_rows * element_bytes(kind) + x_rows * x_bytes
+    return launch["num_stages"] * launch["block_k"] * step
 
 
 def dot_configs(kind: str) -> list[dict]:
@@ -130,11 +134,12 @@ def dot_configs(kind: str) -> list[dict]:
     return configs
 
 
-def fma_fits(launch: dict, m: int) -> bool:
-    """Whether the fma body's float32 accumulator (M's bucket x block_n x block_k) stays within
-    64 registers a thread."""
-    rows = triton_gemv.m_bucket(m)
-    return rows * launch["block_n"] * launch["block_k"] <= 64 * 32 * launch["num_warps"]
+def fma_fits(kind: str, launch: dict, m: int) -> bool:
+    """Whether the fma body's float32 accumulators (M's bucket x block_n x block_k; the gated
+    kind has two) stay within 64 registers a thread."""
+    values = triton_gemv.m_bucket(m) * launch["block_n"] * launch["block_k"]
+    values *= 2 if kind == "gated" else 1
+    return values <= 64 * 32 * launch["num_warps"]
 
 
 def fma_configs(kind: str) -> list[dict]:
@@ -152,7 +157,7 @@ def fma_configs(kind: str) -> list[dict]:
             "num_warps": warps,
             "num_stages": stages,
         }
-        if fma_fits(launch, 1) and smem_bytes(kind, launch, 1) <= SMEM_BYTES:
+        if fma_fits(kind, launch, 1) and smem_bytes(kind, launch, 1) <= SMEM_BYTES:
             configs.append(launch)
     return configs
 
@@ -190,7 +195,7 @@ def interleave(dot: list[dict], fma: list[dict]) -> list[dict]:
 def applies(kind: str, launch: dict, m: int) -> bool:
     """Whether the config runs at M: the fma body only up to FMA_MAX_M rows, and the pipeline
     buffers of M's BLOCK_M must fit shared memory."""
-    if launch["mode"] == "fma" and (m > FMA_MAX_M or not fma_fits(launch, m)):
+    if launch["mode"] == "fma" and (m > FMA_MAX_M or not fma_fits(kind, launch, m)):
         return False
     return smem_bytes(kind, launch, m) <= SMEM_BYTES
 
