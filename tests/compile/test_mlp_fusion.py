@@ -146,6 +146,65 @@ def test_pass_on_tiny_llama_forward(tiny_llama_dir, monkeypatch):
     assert forward.stats.pass_matches == {"skinny_silu_mul": layers, "fused_mlp": layers}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs the kernel on CPU")
+@pytest.mark.parametrize("mode1", ["dot_swap", "dot"])
+def test_kernel_behind_the_pass_on_tiny_llama_forward_interpreted(
+    tiny_llama_dir, monkeypatch, mode1
+):
+    """The engine GPU test's setup without the GPU: the pass on the real model's graph, and
+    each fused op running the Triton kernel (under the interpreter, programs in turn) with the
+    forced launch forms of that test, for a prefill of 9 rows and decode rows of 1 and 3. The
+    logits follow the model's (float32 sums in another order). If this passes while the engine
+    GPU test fails, what breaks is on the device: PDL neighbours, concurrency, graphs."""
+    from v1_engine.kernels import triton_mlp
+
+    monkeypatch.setattr(
+        UnquantizedLinearMethod,
+        "apply",
+        lambda self, layer, x, bias: triton_gemv.skinny_linear(x, layer.weight, bias),
+    )
+    launch = {"mode1": mode1, "block_n1": 16, "block_k1": 32, "mode2": "dot_swap",
+              "block_n2": 16, "block_k2": 32, "split2": 2}  # fmt: skip
+    calls = []
+
+    def kernel(x, w_gate_up, w_down, residual, norm_weight, eps):
+        calls.append(x.shape[0])
+        return triton_mlp.fused_mlp_add_rms_norm(
+            x, w_gate_up, w_down, residual, norm_weight, eps, **launch
+        )
+
+    def retarget(gm: torch.fx.GraphModule) -> int:
+        ops = [
+            n
+            for n in gm.graph.nodes
+            if n.target is torch.ops.v1_engine.fused_mlp_add_rms_norm.default
+        ]
+        for node in ops:
+            node.target = kernel
+        gm.recompile()
+        return len(ops)
+
+    config = load_hf_config(str(tiny_llama_dir))
+    cpu = torch.device("cpu")
+    model = get_model(
+        config, str(tiny_llama_dir), dtype=torch.float32, device=cpu, load_format="auto", seed=0
+    )
+    passes = [("fused_mlp", fuse_mlp), ("retarget", retarget)]
+    forward = CompiledForward(model, passes=passes, use_inductor=False)
+    with (
+        torch.inference_mode(),
+        set_forward_context(None, get_attn_backend(cpu), model.attention_layers()),
+    ):
+        for num_tokens in (9, 1, 3):
+            input_ids = torch.randint(0, config.vocab_size, (num_tokens,))
+            positions = torch.arange(num_tokens)
+            got, want = forward(input_ids, positions), model(input_ids, positions)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    layers = config.num_hidden_layers
+    assert forward.stats.pass_matches["fused_mlp"] == layers
+    assert sorted(set(calls)) == [1, 3, 9] and len(calls) == 3 * layers
+
+
 @pytest.mark.gpu
 @pytest.mark.xfail(
     strict=True,
