@@ -103,7 +103,9 @@ TUNED_LAUNCH: dict[tuple[int, int, int], dict[str, int | str]] = {}
 faster than the unfused chain (benchmarks/benchmark_fused_mlp.py); the op runs the chain
 elsewhere. Empty: the kernel measured slower, and inside the engine it gives wrong tokens for a
 reason not yet found (tests/compile/test_mlp_fusion.py's engine test, marked xfail), although
-alone it matches the chain bit for bit. Add no entry before that test passes."""
+alone it matches the chain bit for bit, and behind the pass on a real model's graph under the
+interpreter it follows the model (so the cause is on the device). Add no entry before that
+test passes."""
 
 NORM_BLOCK = 1024
 """Columns per chunk of phase 3's row walk."""
