@@ -10,9 +10,9 @@ to arrive sums in slice order (triton_gemv's split epilogue, shared). The e4m3 o
 upcast in registers to float16 (exact: every e4m3 value is an fp16 value, and products of two
 are exact in the float32 accumulator) and multiplied on tensor
 cores with the weight tile as the left operand (triton_gemv's "dot_swap" body). The channel kind
-also has triton_gemv's "fma" body for M <= 4, the bf16 kernel's fastest at M = 1 (no tensor core
-layouts: each thread multiplies its loaded bytes into a [BLOCK_M, BLOCK_N, BLOCK_K] float32
-accumulator, summed over K once at the end); it upcasts e4m3 through float16 to float32 (Triton
+also has an "fma" body for M <= 4, as the bf16 kernel, whose fastest body it is at M = 1 (no
+tensor core layouts: each thread multiplies its loaded bytes into a [BLOCK_N, BLOCK_K] float32
+accumulator per activation row, summed over K once at the end); it upcasts e4m3 through float16 to float32 (Triton
 3.6 on the H200 has no direct e4m3 -> float32 conversion; both steps are exact). The "dot" body
 fails to compile with e4m3 operands there (at its tl.dot). Two kinds:
 
@@ -192,24 +192,50 @@ def _to_f32(x, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _fma_step(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32: tl.constexpr):
-    """One K step of the "fma" body: the float32 products a [BLOCK_M, 1, BLOCK_K] *
-    b [1, BLOCK_N, BLOCK_K], the e4m3 operands upcast through float16 (exact; under the
-    interpreter straight to float32). Loads as in _swapped_dot."""
-    b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_first")
-    a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_last")
-    return _to_f32(a, DOT_F32)[:, None, :] * _to_f32(b, DOT_F32)[None, :, :]
+def _load_weight_f32(b_ptrs, n_mask, k_row, DOT_F32: tl.constexpr):
+    """One K step's [BLOCK_N, BLOCK_K] weight tile of the fma body, as float32."""
+    b = tl.load(b_ptrs, mask=n_mask[:, None] & k_row[None, :], other=0.0,
+                eviction_policy="evict_first")  # fmt: skip
+    return _to_f32(b, DOT_F32)
 
 
 @triton.jit
-def _fma_row_step(a_row, b_ptrs, row_mask, n_mask, k_mask, DOT_F32: tl.constexpr):
-    """_fma_step for one activation row (BLOCK_M = 1): the products in a 2-D [BLOCK_N, BLOCK_K]
-    layout, whose loads stay 16-byte vectors (the 3-D broadcast of _fma_step has Triton read an
-    e4m3 tile from shared memory byte by byte: twice the instructions a K step, on sm_90)."""
-    b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                eviction_policy="evict_first")  # fmt: skip
-    a = tl.load(a_row, mask=k_mask & row_mask, other=0.0, eviction_policy="evict_last")
-    return _to_f32(a, DOT_F32)[None, :] * _to_f32(b, DOT_F32)
+def _row_fma(acc, a_row, row: tl.constexpr, stride_am, M, w32, k_row, DOT_F32: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K] plus activation row `row` (zeros past M) times w32."""
+    row_ok = (k_row.to(tl.int32) * 0 + row) < M
+    a = tl.load(a_row + row * stride_am, mask=k_row & row_ok, other=0.0,
+                eviction_policy="evict_last")  # fmt: skip
+    return acc + _to_f32(a, DOT_F32)[None, :] * w32
+
+
+@triton.jit
+def _fma_rows(acc0, acc1, acc2, acc3, a_row, stride_am, M, w32, k_row, BLOCK_M: tl.constexpr,
+              DOT_F32: tl.constexpr):  # fmt: skip
+    """One K step of the "fma" body: the weight tile w32 times each of the BLOCK_M (1, 2 or 4)
+    activation rows, into that row's 2-D [BLOCK_N, BLOCK_K] float32 accumulator. 2-D tiles keep
+    the loads 16-byte vectors: a [BLOCK_M, BLOCK_N, BLOCK_K] broadcast had Triton read the e4m3
+    tile back from shared memory byte by byte on sm_90 (200 instructions a 4 KB K step, against
+    160 this way and the bf16 kernel's 106)."""
+    acc0 = _row_fma(acc0, a_row, 0, stride_am, M, w32, k_row, DOT_F32)
+    if BLOCK_M > 1:
+        acc1 = _row_fma(acc1, a_row, 1, stride_am, M, w32, k_row, DOT_F32)
+    if BLOCK_M > 2:
+        acc2 = _row_fma(acc2, a_row, 2, stride_am, M, w32, k_row, DOT_F32)
+        acc3 = _row_fma(acc3, a_row, 3, stride_am, M, w32, k_row, DOT_F32)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _fma_result(acc0, acc1, acc2, acc3, offs_m, BLOCK_M: tl.constexpr):
+    """The [BLOCK_M, BLOCK_N] tile of the per-row accumulators, each summed over K."""
+    rows = offs_m[:, None]
+    result = tl.where(rows == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
+    if BLOCK_M > 1:
+        result = tl.where(rows == 1, tl.sum(acc1, axis=1)[None, :], result)
+    if BLOCK_M > 2:
+        result = tl.where(rows == 2, tl.sum(acc2, axis=1)[None, :], result)
+        result = tl.where(rows == 3, tl.sum(acc3, axis=1)[None, :], result)
+    return result
 
 
 @triton.jit
@@ -262,32 +288,29 @@ def _fp8_skinny_kernel(
     m_mask = offs_m < M
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + (k_start + offs_k)[None, :]
     b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + (k_start + offs_k)[None, :]
-    a_row = a_ptr + k_start + offs_k  # row 0: the fma body at BLOCK_M = 1
+    a_row = a_ptr + k_start + offs_k  # the fma body's row 0 (rows follow at stride_am)
     if FMA:
-        if BLOCK_M == 1:
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc1 = tl.zeros_like(acc0)
+        acc2 = tl.zeros_like(acc0)
+        acc3 = tl.zeros_like(acc0)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
-        k_mask = offs_k[None, :] < k_end - k
         if FMA:
-            if BLOCK_M == 1:
-                acc += _fma_row_step(a_row, b_ptrs, m_mask, n_mask, offs_k < k_end - k, DOT_F32)
-            else:
-                acc += _fma_step(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
+            k_row = offs_k < k_end - k
+            w32 = _load_weight_f32(b_ptrs, n_mask, k_row, DOT_F32)
+            acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, a_row, stride_am, M, w32,
+                                               k_row, BLOCK_M, DOT_F32)  # fmt: skip
         else:
+            k_mask = offs_k[None, :] < k_end - k
             acc += _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
         a_ptrs += BLOCK_K
         a_row += BLOCK_K
         b_ptrs += BLOCK_K
     pdl_release(PDL)
     if FMA:
-        if BLOCK_M == 1:
-            result = tl.sum(acc, axis=1)[None, :]
-        else:
-            result = tl.sum(acc, axis=2)
+        result = _fma_result(acc0, acc1, acc2, acc3, offs_m, BLOCK_M)
     else:
         result = tl.trans(acc)
     epilogue = (scale_a_ptr, scale_b_ptr, bias_ptr, out_ptr, offs_m, offs_n, m_mask, n_mask,
@@ -422,38 +445,28 @@ def _fp8_decode_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_mask = offs_n < N
     m_mask = offs_m < M
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     g_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
     u_ptrs = g_ptrs + N.to(tl.int64) * stride_bn
-    a_row = a_ptr + offs_k  # row 0: BLOCK_M = 1 keeps 2-D tiles (see _fma_row_step)
-    if BLOCK_M == 1:
-        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros_like(acc_g)
+    a_row = a_ptr + offs_k  # row 0; rows follow at stride_am (see _fma_rows)
+    g0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    g1, g2, g3 = tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0)
+    u0, u1, u2, u3 = tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0)
     for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        if BLOCK_M == 1:
-            k_row = offs_k < K - k
-            acc_g += _fma_row_step(a_row, g_ptrs, m_mask, n_mask, k_row, DOT_F32)
-            if GATED:
-                acc_u += _fma_row_step(a_row, u_ptrs, m_mask, n_mask, k_row, DOT_F32)
-        else:
-            k_mask = offs_k[None, :] < K - k
-            acc_g += _fma_step(a_ptrs, g_ptrs, m_mask, n_mask, k_mask, DOT_F32)
-            if GATED:
-                acc_u += _fma_step(a_ptrs, u_ptrs, m_mask, n_mask, k_mask, DOT_F32)
-        u_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
+        k_row = offs_k < K - k
+        w32 = _load_weight_f32(g_ptrs, n_mask, k_row, DOT_F32)
+        g0, g1, g2, g3 = _fma_rows(g0, g1, g2, g3, a_row, stride_am, M, w32, k_row, BLOCK_M,
+                                   DOT_F32)  # fmt: skip
+        if GATED:
+            w32 = _load_weight_f32(u_ptrs, n_mask, k_row, DOT_F32)
+            u0, u1, u2, u3 = _fma_rows(u0, u1, u2, u3, a_row, stride_am, M, w32, k_row, BLOCK_M,
+                                       DOT_F32)  # fmt: skip
+            u_ptrs += BLOCK_K
         a_row += BLOCK_K
         g_ptrs += BLOCK_K
     pdl_release(PDL)
     dtype = out_ptr.dtype.element_ty
-    if BLOCK_M == 1:
-        gate = tl.sum(acc_g, axis=1)[None, :]
-        up = tl.sum(acc_u, axis=1)[None, :]
-    else:
-        gate = tl.sum(acc_g, axis=2)
-        up = tl.sum(acc_u, axis=2)
+    gate = _fma_result(g0, g1, g2, g3, offs_m, BLOCK_M)
+    up = _fma_result(u0, u1, u2, u3, offs_m, BLOCK_M)
     if A_FP8:
         scale_a = tl.load(scale_a_ptr + offs_m * stride_sa, mask=m_mask, other=0.0)
         gate = gate * scale_a[:, None]
