@@ -12,9 +12,10 @@ are exact in the float32 accumulator) and multiplied on tensor
 cores with the weight tile as the left operand (triton_gemv's "dot_swap" body). The channel kind
 also has an "fma" body for M <= 4, as the bf16 kernel, whose fastest body it is at M = 1 (no
 tensor core layouts: each thread multiplies its loaded bytes into a [BLOCK_N, BLOCK_K] float32
-accumulator per activation row, summed over K once at the end); it upcasts e4m3 through float16 to float32 (Triton
-3.6 on the H200 has no direct e4m3 -> float32 conversion; both steps are exact). The "dot" body
-fails to compile with e4m3 operands there (at its tl.dot). Two kinds:
+accumulator per activation row, summed over K once at the end); it upcasts e4m3 through
+float16 to float32 (Triton 3.6 on the H200 has no direct e4m3 -> float32 conversion; both steps
+are exact). The "dot" body fails to compile with e4m3 operands there (at its tl.dot). Two
+kinds:
 
 - "channel" (`fp8_skinny_gemm`): out = (a @ b^T) * scale_a[m or 0] * scale_b[n or 0] (+ bias),
   scales applied once in the epilogue in scaled_mm_ref's order;
