@@ -10,8 +10,8 @@ weight that none is served from L2 (as consecutive layers are not). Every config
 checked before it is timed (against cuBLAS for bf16, the float32 reference for FP8). Prints the
 baseline and the best config per shape and M as achieved weight bandwidth against the HBM
 roofline, then the `TUNED_LAUNCH` table for kernels/skinny_tuned.py (`FP8_TUNED_LAUNCH[kind]`
-for triton_gemv_fp8.py; None where the baseline stays faster): the module's current table with
-the swept (M bucket, N, K) entries replaced or added, so a sweep of some buckets (`--m 32,64`)
+for kernels/skinny_tuned_fp8.py; None where the baseline stays faster): the module's current
+table with the swept (M bucket, N, K) entries replaced or added, so a sweep of some buckets (`--m 32,64`)
 prints a table that keeps the others. `--shapes` takes the Llama-3-70B shapes by name too.
 
 All configs are compiled first, in parallel processes (Triton's on-disk cache carries them over);

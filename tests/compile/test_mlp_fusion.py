@@ -119,19 +119,27 @@ def test_pass_is_opt_in_and_runs_after_the_gated_pass():
     ]
 
 
-def test_pass_on_tiny_llama_forward(tiny_llama_dir, monkeypatch):
-    """Every decoder layer's MLP with the norm after it (the next layer's input norm, the last
-    one the final norm) becomes one op; the forward stays bit-identical."""
+def _tiny_llama_on_skinny_linears(path, monkeypatch) -> tuple:
+    """(config, the float32 tiny Llama on the CPU) whose linears call `v1_engine::skinny_linear`
+    as on CUDA, so the pass finds the chain it fuses there."""
     monkeypatch.setattr(
         UnquantizedLinearMethod,
         "apply",
         lambda self, layer, x, bias: triton_gemv.skinny_linear(x, layer.weight, bias),
     )
-    config = load_hf_config(str(tiny_llama_dir))
+    config = load_hf_config(str(path))
     cpu = torch.device("cpu")
     model = get_model(
-        config, str(tiny_llama_dir), dtype=torch.float32, device=cpu, load_format="auto", seed=0
+        config, str(path), dtype=torch.float32, device=cpu, load_format="auto", seed=0
     )
+    return config, model
+
+
+def test_pass_on_tiny_llama_forward(tiny_llama_dir, monkeypatch):
+    """Every decoder layer's MLP with the norm after it (the next layer's input norm, the last
+    one the final norm) becomes one op; the forward stays bit-identical."""
+    config, model = _tiny_llama_on_skinny_linears(tiny_llama_dir, monkeypatch)
+    cpu = torch.device("cpu")
     passes = [("skinny_silu_mul", fuse_skinny_silu_mul), ("fused_mlp", fuse_mlp)]
     forward = CompiledForward(model, passes=passes, use_inductor=False)
     with (
@@ -158,11 +166,6 @@ def test_kernel_behind_the_pass_on_tiny_llama_forward_interpreted(
     GPU test fails, what breaks is on the device: PDL neighbours, concurrency, graphs."""
     from v1_engine.kernels import triton_mlp
 
-    monkeypatch.setattr(
-        UnquantizedLinearMethod,
-        "apply",
-        lambda self, layer, x, bias: triton_gemv.skinny_linear(x, layer.weight, bias),
-    )
     launch = {"mode1": mode1, "block_n1": 16, "block_k1": 32, "mode2": "dot_swap",
               "block_n2": 16, "block_k2": 32, "split2": 2}  # fmt: skip
     calls = []
@@ -184,11 +187,8 @@ def test_kernel_behind_the_pass_on_tiny_llama_forward_interpreted(
         gm.recompile()
         return len(ops)
 
-    config = load_hf_config(str(tiny_llama_dir))
+    config, model = _tiny_llama_on_skinny_linears(tiny_llama_dir, monkeypatch)
     cpu = torch.device("cpu")
-    model = get_model(
-        config, str(tiny_llama_dir), dtype=torch.float32, device=cpu, load_format="auto", seed=0
-    )
     passes = [("fused_mlp", fuse_mlp), ("retarget", retarget)]
     forward = CompiledForward(model, passes=passes, use_inductor=False)
     with (

@@ -1,0 +1,118 @@
+"""The FP8 skinny GEMMs' measured launch tables (kernels/triton_gemv_fp8.py), per kind: data,
+kept apart from the kernels as kernels/skinny_tuned.py is for bf16. `python
+benchmarks/sweep_skinny_gemm.py --fp8 KIND` prints a kind's table with the swept entries
+replaced (`--json F` writes them for `latency.py --gemm-tables`); paste it here."""
+
+from __future__ import annotations
+
+_BLOCK_S4 = {"mode": "dot_swap", "block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4}
+_BLOCK_S6 = _BLOCK_S4 | {"num_stages": 6}
+_BLOCK_S3 = _BLOCK_S4 | {"num_stages": 3}
+_SPLIT2 = _BLOCK_S4 | {"split_k": 2}
+_SPLIT4 = _BLOCK_S3 | {"split_k": 4}
+_SPLIT8 = _BLOCK_S3 | {"split_k": 8}
+
+FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | None]] = {
+    "channel": {
+        (1, 6144, 4096): None,
+        (2, 6144, 4096): None,
+        (4, 6144, 4096): None,
+        (8, 6144, 4096): None,
+        (16, 6144, 4096): None,
+        (1, 4096, 4096): None,
+        (2, 4096, 4096): None,
+        (4, 4096, 4096): None,
+        (8, 4096, 4096): None,
+        (16, 4096, 4096): None,
+        (1, 28672, 4096): None,
+        (2, 28672, 4096): None,
+        (4, 28672, 4096): None,
+        (8, 28672, 4096): None,
+        (16, 28672, 4096): None,
+        (1, 4096, 14336): None,
+        (2, 4096, 14336): None,
+        (4, 4096, 14336): None,
+        (8, 4096, 14336): None,
+        (16, 4096, 14336): None,
+    },
+    "block": {
+        # Llama-3-8B
+        (1, 6144, 4096): _SPLIT4,
+        (2, 6144, 4096): _SPLIT4,
+        (4, 6144, 4096): _SPLIT4,
+        (8, 6144, 4096): _SPLIT4,
+        (16, 6144, 4096): _SPLIT4,
+        (32, 6144, 4096): None,
+        (64, 6144, 4096): None,
+        (1, 4096, 4096): _SPLIT8,
+        (2, 4096, 4096): _SPLIT8,
+        (4, 4096, 4096): _SPLIT8,
+        (8, 4096, 4096): _SPLIT8,
+        (16, 4096, 4096): _SPLIT8,
+        (32, 4096, 4096): _BLOCK_S6 | {"block_n": 16},
+        (64, 4096, 4096): None,
+        (1, 28672, 4096): _BLOCK_S4,
+        (2, 28672, 4096): _BLOCK_S4,
+        (4, 28672, 4096): _BLOCK_S4,
+        (8, 28672, 4096): _BLOCK_S4,
+        (16, 28672, 4096): _BLOCK_S3,
+        (32, 28672, 4096): None,
+        (64, 28672, 4096): None,
+        (1, 4096, 14336): _SPLIT8,
+        (2, 4096, 14336): _SPLIT8,
+        (4, 4096, 14336): _SPLIT8,
+        (8, 4096, 14336): _SPLIT8,
+        (16, 4096, 14336): _SPLIT8,
+        (32, 4096, 14336): None,
+        (64, 4096, 14336): None,
+        # Llama-3-70B (at one GPU's width)
+        (1, 10240, 8192): _SPLIT2,
+        (2, 10240, 8192): _SPLIT2,
+        (4, 10240, 8192): _SPLIT2,
+        (8, 10240, 8192): _SPLIT2,
+        (16, 10240, 8192): _SPLIT2,
+        (64, 10240, 8192): None,
+        (1, 8192, 8192): _SPLIT4,
+        (2, 8192, 8192): _SPLIT4,
+        (4, 8192, 8192): _SPLIT4,
+        (8, 8192, 8192): _SPLIT4,
+        (16, 8192, 8192): _SPLIT4,
+        (64, 8192, 8192): None,
+        (1, 57344, 8192): _BLOCK_S6,
+        (2, 57344, 8192): _BLOCK_S6,
+        (4, 57344, 8192): _BLOCK_S6,
+        (8, 57344, 8192): _BLOCK_S6,
+        (16, 57344, 8192): _BLOCK_S6,
+        (64, 57344, 8192): None,
+        (1, 8192, 28672): _SPLIT4,
+        (2, 8192, 28672): _SPLIT4,
+        (4, 8192, 28672): _SPLIT4,
+        (8, 8192, 28672): _SPLIT4,
+        (16, 8192, 28672): _SPLIT4,
+        (64, 8192, 28672): None,
+    },
+    "weight_only": {},
+    "gated": {},
+}
+"""Measured launch configs per kind, keyed by (M bucket, N, K) as triton_gemv.TUNED_LAUNCH; None
+marks a shape where the CUTLASS kernel measured as fast or faster: the ops run the Triton kernel
+only for shapes with a config. From `python benchmarks/sweep_skinny_gemm.py --fp8 channel|block
+--shapes qkv,o_proj,gate_up,down` on the H200 (2026-12-03, benchmarks/RESULTS.md "FP8 skinny
+GEMM sweep"): the per-channel CUTLASS GEMM kept every Llama-3-8B shape (the best Triton config
+was 0.89-1.01x of it); the block-scaled one lost every shape, by 1.04-1.34x. Buckets 32 and 64
+(M 17..64), `--fp8 block --m 32,64 --seconds 8` (2026-12-03 14:59): Triton keeps o_proj (13.4 vs
+15.2 us at 32, 14.5 vs 15.2 at 64); CUTLASS keeps qkv (0.89 / 0.70x), gate_up (0.79 / 0.58x)
+and down (0.94 / 0.84x), where the activation tile every program re-reads grows with M.
+
+Split-K, `--fp8 channel|block --m 1,16,64 --split-k 2,4,8 --seconds 12` over the 8B and 70B
+shapes (2026-12-03, RESULTS.md "Split-K for the FP8 skinny GEMMs"): block-scaled at M 1 and 16
+runs split launches (8B o_proj 14.1 -> 9.1 us, down 36.1 -> 20.2, qkv 15.7 -> 11.8; 70B o_proj
+29.8 -> 22.1, down 80.1 -> 65.2, qkv 35.9 -> 28.2) or, on the wide gate_up shapes, unsplit ones
+(1.14x); CUTLASS keeps M = 64 (8B o_proj a tie, 15.2 vs 15.1 us). `--m 2,4,8` (same run)
+picked the same launches as M = 1 and 16 on every shape swept (all but 8B gate_up, which keeps
+its entries). Per-channel CUTLASS still beat every split launch at M 1..64 (best 0.84-0.94x on
+8B; 70B qkv 1.02-1.05x, too close to take).
+
+The "fma" body of the channel kind and the two decode kinds ("weight_only": bf16 activations
+times the e4m3 weight; "gated": gate_up with SiLU-and-mul in the epilogue) are not measured
+yet (written 2026-12-05 without a device): no entry takes them, so the ops run as before."""
