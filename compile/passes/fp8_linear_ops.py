@@ -64,17 +64,14 @@ def _skinny():
 
 def _weight_only_fits(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether the "weight_only" kernel takes x times weight on this shape: an entry in its table
-    for x's M bucket, x already in the output dtype with unit column stride."""
+    for x's M bucket, x already in the output dtype, the skinny kernels' operand layout."""
     skinny = _skinny()
-    m, k = x.shape
     return (
-        skinny.m_bucket(m) <= skinny.triton_gemv.FMA_MAX_M
-        and x.dtype == out_dtype
+        x.dtype == out_dtype
         and out_dtype in skinny.OUT_DTYPES
-        and x.stride(1) == 1
         and weight.dtype == skinny.FP8_DTYPE
-        and weight.is_contiguous()
-        and skinny.prefers_fp8_skinny("weight_only", m, weight.shape[0], k)
+        and skinny.triton_gemv.skinny_operands(x, weight)
+        and skinny.prefers_fp8_skinny("weight_only", x.shape[0], weight.shape[0], x.shape[1])
     )
 
 
@@ -115,11 +112,9 @@ def fp8_gated_mlp_cuda(
     if (
         act_dtype == out_dtype
         and out_dtype in skinny.OUT_DTYPES
-        and q.stride(1) == 1
-        and w_gate_up.is_contiguous()
-        and w_down.is_contiguous()
         and rows == 2 * inner
-        and skinny.m_bucket(m) <= skinny.triton_gemv.FMA_MAX_M
+        and skinny.fits_fp8_skinny(q, w_gate_up)
+        and w_down.is_contiguous()
         and skinny.prefers_fp8_skinny("gated", m, rows, k)
         and skinny.prefers_fp8_skinny("weight_only", m, w_down.shape[0], inner)
     ):

@@ -90,7 +90,7 @@ def test_gated_matches_the_quantized_chain_interpreted(m, per_token):
     assert_matches(out, ref, ulps=2.0)
 
 
-def test_decode_kind_launch_rules():
+def test_decode_kind_launch_rules(monkeypatch):
     default = skinny.fp8_launch_config("weight_only", 1, 4096, 4096)
     assert default["mode"] == "fma" and default["split_k"] == 1
     assert skinny.fp8_launch_config("gated", 1, 28672, 4096)["block_n"] == 2
@@ -108,6 +108,12 @@ def test_decode_kind_launch_rules():
         with pytest.raises(ValueError, match=match):
             skinny.resolve_fp8_launch(kind, m, 4096, 4096, bad)
     assert not skinny.prefers_fp8_skinny("weight_only", 1, 4096, 4096)  # empty until measured
+    # An entry beyond the fma body's rows is never taken (its launch would be refused).
+    monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
+    for bucket in (4, 8):
+        monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["weight_only"], (bucket, 64, 64), {})
+    assert skinny.prefers_fp8_skinny("weight_only", 3, 64, 64)
+    assert not skinny.prefers_fp8_skinny("weight_only", 5, 64, 64)
 
 
 @pytest.fixture

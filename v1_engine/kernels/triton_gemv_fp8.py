@@ -433,9 +433,12 @@ def resolve_fp8_launch(
 
 def prefers_fp8_skinny(kind: str, m: int, n: int, k: int) -> bool:
     """True only where the skinny GEMMs are enabled (V1ENGINE_SKINNY_GEMM) and FP8_TUNED_LAUNCH
-    holds a measured config for the shape: every other shape stays on CUTLASS."""
+    holds a measured config for the shape (for the decode kinds, only up to the fma body's
+    triton_gemv.FMA_MAX_M rows): every other shape stays on CUTLASS."""
     _check_kind(kind)
     if not triton_gemv.SKINNY_GEMM_ENABLED:
+        return False
+    if kind in DECODE_KINDS and m_bucket(m) > triton_gemv.FMA_MAX_M:  # the fma body only
         return False
     return FP8_TUNED_LAUNCH[kind].get((m_bucket(m), n, k)) is not None
 
