@@ -366,6 +366,19 @@ def resolve_launch(
     return config
 
 
+def _chains(x, w_gate_up, w_down, residual, norm_weight) -> bool:
+    """Whether the operands' shapes chain: x [M, K], w_gate_up [2I, K], w_down [N, I], residual
+    [M, N], norm_weight [N]."""
+    m, k = x.shape
+    i, n = w_gate_up.shape[0] // 2, w_down.shape[0]
+    return (
+        w_gate_up.shape == (2 * i, k)
+        and w_down.shape == (n, i)
+        and residual.shape == (m, n)
+        and norm_weight.shape == (n,)
+    )
+
+
 def fused_mlp_add_rms_norm(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -381,12 +394,7 @@ def fused_mlp_add_rms_norm(
     m, k = x.shape
     i = w_gate_up.shape[0] // 2
     n = w_down.shape[0]
-    if (
-        w_gate_up.shape != (2 * i, k)
-        or w_down.shape != (n, i)
-        or residual.shape != (m, n)
-        or norm_weight.shape != (n,)
-    ):
+    if not _chains(x, w_gate_up, w_down, residual, norm_weight):
         raise ValueError(
             f"fused MLP shapes do not chain: x {tuple(x.shape)}, w_gate_up "
             f"{tuple(w_gate_up.shape)}, w_down {tuple(w_down.shape)}, residual "
@@ -489,7 +497,7 @@ def fused_mlp_cuda(
     shape TUNED_LAUNCH holds (one dtype throughout, unit-stride rows), else the unfused chain a
     decode step runs without the pass (gated or plain gate_up GEMM, the down GEMM, the add +
     RMSNorm kernel)."""
-    m, k = x.shape
+    m = x.shape[0]
     i, n = w_gate_up.shape[0] // 2, w_down.shape[0]
     dtype = x.dtype
     if (
@@ -500,9 +508,7 @@ def fused_mlp_cuda(
         and residual.stride(1) == 1
         and w_gate_up.is_contiguous()
         and w_down.is_contiguous()
-        and w_gate_up.shape == (2 * i, k)
-        and w_down.shape == (n, i)
-        and residual.shape == (m, n)
+        and _chains(x, w_gate_up, w_down, residual, norm_weight)
     ):
         return fused_mlp_add_rms_norm(x, w_gate_up, w_down, residual, norm_weight, eps)
     from v1_engine.kernels.skinny_epilogues import silu_mul_linear_cuda
