@@ -33,6 +33,12 @@ file for `latency.py --gemm-tables`):
         --shapes o_proj,down --json fp8_decode.json
     python benchmarks/sweep_skinny_gemm.py --fp8 gated --m 1,2,4 --shapes gate_up \
         --json fp8_decode.json
+
+The block kind has an fma body too (M <= 4). Its table already holds dot_swap entries at those
+M, so sweep both bodies (no --modes), or an fma-only sweep could replace a faster entry:
+
+    python benchmarks/sweep_skinny_gemm.py --fp8 block --m 1,2,4 --split-k 2,4,8 \
+        --shapes qkv,o_proj,gate_up,down,o_proj_70b,down_70b
 """
 
 from __future__ import annotations
@@ -142,12 +148,18 @@ def fma_fits(kind: str, launch: dict, m: int) -> bool:
     return values <= 64 * 32 * launch["num_warps"]
 
 
+def fma_block_ns(kind: str) -> tuple[int, ...]:
+    """fma column tiles, most promising first. The block kind's K step is one 128-wide group, so
+    it needs the wider tiles for 16-byte loads (32 x 128 e4m3 = 32 bytes a thread at 4 warps)."""
+    return (32, 16, 64, 8) if kind == "block" else (8, 16, 4, 32, 2)
+
+
 def fma_configs(kind: str) -> list[dict]:
-    """Broadcast multiply-reduce bodies (none for the block kind), each fitting registers and
-    shared memory at M = 1 at least (`applies` checks each M's own)."""
+    """Broadcast multiply-reduce bodies, each fitting registers and shared memory at M = 1 at
+    least (`applies` checks each M's own)."""
     if "fma" not in (triton_gemv.MODES if kind == "bf16" else fp8_skinny.KIND_MODES[kind]):
         return []
-    space = itertools.product((4, 3, 6), block_ks(kind, fma=True), (8, 16, 4, 32, 2), (4, 8))
+    space = itertools.product((4, 3, 6), block_ks(kind, fma=True), fma_block_ns(kind), (4, 8))
     configs = []
     for stages, block_k, block_n, warps in space:
         launch = {
@@ -166,7 +178,9 @@ def split_configs(kind: str, splits: list[int]) -> list[dict]:
     """Split-K launches: the dot configs of the narrower width below, also at the wider one, each
     split `splits` ways. bf16 (meant for M = 32..64): 64 and 128 columns, wider tiles re-reading
     x from L2 fewer times while the split keeps their programs many; FP8 (any M): 32 and 64
-    columns, the split putting more programs, so more loads, in flight per SM."""
+    columns, the split putting more programs, so more loads, in flight per SM. The FP8 channel
+    and block kinds also split their fma configs (M <= 4; the decode kinds never split):
+    wide fma tiles leave few programs on the short shapes (o_proj: 128 of 32 columns)."""
     if not splits:
         return []
     narrow, wide = (64, 128) if kind == "bf16" else (32, 64)
@@ -178,6 +192,10 @@ def split_configs(kind: str, splits: list[int]) -> list[dict]:
             config = launch | {"block_n": block_n, "split_k": split}
             if smem_bytes(kind, config, 1) <= SMEM_BYTES:
                 configs.append(config)
+    if kind in ("channel", "block"):
+        for launch, split in itertools.product(fma_configs(kind), splits):
+            if launch["block_n"] >= 16:
+                configs.append(launch | {"split_k": split})
     return configs
 
 

@@ -178,3 +178,39 @@ def test_help_prints(script):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("usage:"), out.stdout[:200]
+
+
+@pytest.mark.parametrize("kind", ["bf16", "channel", "block", "weight_only", "gated"])
+def test_skinny_sweep_builds_only_launches_the_kernels_take(kind):
+    """Every config sweep_skinny_gemm.py builds for a kind (bodies, splits) resolves in the
+    kernel's own launch rules at each decode M the sweep runs it at, so a device call never
+    spends its time on configs the kernel rejects; the block kind's fma body is swept, one
+    128-wide group a K step, split too."""
+    import sweep_skinny_gemm as sweep
+
+    from v1_engine.kernels import triton_gemv
+    from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
+
+    configs = sweep.interleave(sweep.dot_configs(kind), sweep.fma_configs(kind))
+    configs += sweep.split_configs(kind, [2, 4])
+    modes = triton_gemv.MODES if kind == "bf16" else fp8_skinny.KIND_MODES[kind]
+    configs = [c for c in configs if c["mode"] in modes]  # as the sweep filters them
+    n, k = sweep.SHAPES["down"]
+    ran = 0
+    for launch in configs:
+        for m in (1, 2, 4, 16, 64):
+            if not sweep.applies(kind, launch, m) or (kind in fp8_skinny.DECODE_KINDS and m > 4):
+                continue
+            if kind == "bf16":
+                resolved = triton_gemv.resolve_launch(m, n, k, launch)
+            else:
+                resolved = fp8_skinny.resolve_fp8_launch(kind, m, n, k, launch)
+            assert resolved["mode"] == launch["mode"] and resolved["block_n"] == launch["block_n"]
+            ran += 1
+    assert ran > 0
+    fma = [c for c in configs if c["mode"] == "fma"]
+    if kind == "block":
+        assert fma and {c["block_k"] for c in fma} == {fp8_skinny.SCALE_GROUP}
+        assert fma[0]["block_n"] == 32 and any(c.get("split_k", 1) == 4 for c in fma)
+    if kind in fp8_skinny.DECODE_KINDS:
+        assert all(c.get("split_k", 1) == 1 for c in configs) and fma == configs

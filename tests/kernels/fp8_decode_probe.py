@@ -1,5 +1,5 @@
-"""Compiles the FP8 decode-size fma kernels (kernels/triton_gemv_fp8.py: the channel kind's fma
-body, the weight_only and gated kinds) for sm_90 (no GPU needed) at the launches their sweeps
+"""Compiles the FP8 decode-size fma kernels (kernels/triton_gemv_fp8.py: the channel and block
+kinds' fma bodies, the weight_only and gated kinds) for sm_90 (no GPU needed) at the launches their sweeps
 start from, and prints, as JSON per case, registers, spills, the e4m3 conversions in the PTX,
 shared-memory loads of single bytes in the SASS and the shared memory the pipeliner gave the
 tiles. Run by test_fp8_decode_gemm.py in a fresh
@@ -32,9 +32,12 @@ CASES = {  # name: (kind, M, N, K, block_n, block_k); Llama-3-8B shapes
     "weight_only_down_m4": ("weight_only", 4, 4096, 14336, 4, 256),
     "gated_gate_up_m1": ("gated", 1, 28672, 4096, 2, 1024),
     "gated_gate_up_m2": ("gated", 2, 28672, 4096, 2, 512),
+    # the block kind steps one 128-wide scale group: wider column tiles for 16-byte loads
+    "block_o_proj_m1": ("block", 1, 4096, 4096, 32, 128),
+    "block_down_m4": ("block", 4, 4096, 14336, 8, 128),
 }
-KERNELS = {"channel": "_fp8_skinny_kernel", "weight_only": "_fp8_decode_kernel",
-           "gated": "_fp8_decode_kernel"}  # fmt: skip
+KERNELS = {"channel": "_fp8_skinny_kernel", "block": "_fp8_block_skinny_kernel",
+           "weight_only": "_fp8_decode_kernel", "gated": "_fp8_decode_kernel"}  # fmt: skip
 
 
 def sass(compiled) -> str:
@@ -66,7 +69,9 @@ def describe(kernel_name: str) -> dict:
 
 
 def main() -> None:
-    for kernel in (fp8_skinny._fp8_skinny_kernel, fp8_skinny._fp8_decode_kernel):
+    kernels = (fp8_skinny._fp8_skinny_kernel, fp8_skinny._fp8_block_skinny_kernel,
+               fp8_skinny._fp8_decode_kernel)  # fmt: skip
+    for kernel in kernels:
         kernel.run = probe._recorder(kernel)
     fp8 = fp8_skinny.FP8_DTYPE
     results = {}
@@ -78,6 +83,13 @@ def main() -> None:
             a = torch.zeros(m, k, dtype=fp8)
             fp8_skinny.fp8_skinny_gemm(
                 a, b, torch.ones(m, 1), torch.ones(n, 1), torch.bfloat16, **launch
+            )
+        elif kind == "block":
+            a = torch.zeros(m, k, dtype=fp8)
+            groups = triton.cdiv(k, fp8_skinny.SCALE_GROUP)
+            scale_b = torch.ones(triton.cdiv(n, fp8_skinny.SCALE_GROUP), groups)
+            fp8_skinny.fp8_block_skinny_gemm(
+                a, b, torch.ones(m, groups), scale_b, torch.bfloat16, **launch
             )
         elif kind == "weight_only":
             x = torch.zeros(m, k, dtype=torch.bfloat16)

@@ -89,12 +89,12 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(out.float(), ref.float(), rtol=ulp, atol=ulp * scale / 64)
 
 
-def channel_cases(ms: list[int]) -> list[tuple[str, int]]:
-    """(body, M) pairs of the channel kernel: every body at every M it takes (fma up to
+def body_cases(kind: str, ms: list[int]) -> list[tuple[str, int]]:
+    """(body, M) pairs of the `kind` kernel: every body at every M it takes (fma up to
     triton_gemv.FMA_MAX_M rows)."""
     return [
         (mode, m)
-        for mode in skinny.KIND_MODES["channel"]
+        for mode in skinny.KIND_MODES[kind]
         for m in ms
         if mode != "fma" or m <= triton_gemv.FMA_MAX_M
     ]
@@ -111,7 +111,7 @@ def launch_for(mode: str, kind: str) -> dict:
 
 
 @interpreter_only
-@pytest.mark.parametrize(("mode", "m"), channel_cases([1, 3, 4, 16, 24, 64]))
+@pytest.mark.parametrize(("mode", "m"), body_cases("channel", [1, 3, 4, 16, 24, 64]))
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_channel_kernel_matches_reference_interpreted(mode, m, granularity, with_bias):
@@ -130,14 +130,16 @@ def test_channel_kernel_matches_reference_interpreted(mode, m, granularity, with
 
 
 @interpreter_only
-@pytest.mark.parametrize("mode", skinny.KIND_MODES["block"])
-@pytest.mark.parametrize("m", [1, 3, 16, 24, 64])
+@pytest.mark.parametrize(("mode", "m"), body_cases("block", [1, 3, 4, 16, 24, 64]))
 @pytest.mark.parametrize(("n", "k"), [(200, 384), (200, 300)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_block_kernel_matches_reference_interpreted(mode, m, n, k, out_dtype):
     # N = 200: the last 128-row weight block is partial (and BLOCK_N tiles 8 and 9 of 16 share
-    # it); K = 300 ends in a partial scale group (the op on CUDA only takes whole groups).
+    # it); K = 300 ends in a partial scale group (the op on CUDA only takes whole groups); a's
+    # rows are strided. Each row's scales differ per group, so a body that scaled a row with
+    # another row's or group's scale would fail.
     a, b, scale_a, scale_b = block_operands(m, n, k, seed=m + k)
+    a = strided_rows(a)
     launch = launch_for(mode, "block")
     out = skinny.fp8_block_skinny_gemm(a, b, scale_a, scale_b, out_dtype, **launch)
     assert_matches(out, fp8.block_scaled_mm_ref(a, b, scale_a, scale_b, out_dtype))
@@ -164,14 +166,14 @@ def test_channel_split_k_matches_reference_interpreted(m, split):
 
 
 @interpreter_only
-@pytest.mark.parametrize("m", [1, 5, 24])
+@pytest.mark.parametrize(("mode", "m"), body_cases("block", [1, 4, 5, 24]))
 @pytest.mark.parametrize(("k", "split"), [(640, 2), (640, 5), (600, 3)])
-def test_block_split_k_matches_reference_interpreted(m, k, split):
+def test_block_split_k_matches_reference_interpreted(mode, m, k, split):
     """Slices of whole 128-wide scale groups: K = 640 is 5 groups (3 + 2, or one each); K = 600
     ends in a partial group (2 + 2 + 1, the last slice's group masked). Each slice scales its
     own groups, the last program adds the slices."""
     n = 200
-    launch = launch_for("dot_swap", "block") | {"split_k": split}
+    launch = launch_for(mode, "block") | {"split_k": split}
     a, b, scale_a, scale_b = block_operands(m, n, k, seed=m + k + split)
     out = skinny.fp8_block_skinny_gemm(a, b, scale_a, scale_b, torch.bfloat16, **launch)
     assert_matches(out, fp8.block_scaled_mm_ref(a, b, scale_a, scale_b, torch.bfloat16))
@@ -182,13 +184,14 @@ def test_block_split_k_matches_reference_interpreted(m, k, split):
 
 
 @interpreter_only
-def test_block_kernel_reads_transposed_scales_and_whole_block_tiles_interpreted():
+@pytest.mark.parametrize(("mode", "m"), [("dot_swap", 5), ("fma", 3)])
+def test_block_kernel_reads_transposed_scales_and_whole_block_tiles_interpreted(mode, m):
     """scale_a as a column-major view (strides read as given) and BLOCK_N = 128 = one weight
     block per tile."""
-    a, b, scale_a, scale_b = block_operands(5, 256, 256, seed=11)
+    a, b, scale_a, scale_b = block_operands(m, 256, 256, seed=11)
     scale_a = scale_a.T.contiguous().T
-    assert scale_a.stride() == (1, 5)
-    launch = {"mode": "dot_swap", "block_n": 128, "num_warps": 4, "num_stages": 2}
+    assert scale_a.stride() == (1, m)
+    launch = {"mode": mode, "block_n": 128, "num_warps": 4, "num_stages": 2}
     out = skinny.fp8_block_skinny_gemm(a, b, scale_a, scale_b, torch.bfloat16, **launch)
     assert_matches(out, fp8.block_scaled_mm_ref(a, b, scale_a, scale_b, torch.bfloat16))
 
@@ -356,6 +359,8 @@ def test_launch_table_and_overrides(monkeypatch):
     resolved = skinny.resolve_fp8_launch("channel", 3, 1024, 2048, {"num_stages": 2})
     assert resolved == tuned | {"num_stages": 2, "split_k": 1}
     assert skinny.resolve_fp8_launch("block", 3, 1024, 2048, {"split_k": 4})["split_k"] == 4
+    fma = {"mode": "fma", "block_n": 8}  # the block kind's fma body: one group a K step too
+    assert skinny.resolve_fp8_launch("block", 3, 1024, 2048, fma)["block_k"] == 128
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", False)
     assert not skinny.prefers_fp8_skinny("channel", 3, 1024, 2048)
     for kind, bad, match in (
@@ -363,7 +368,7 @@ def test_launch_table_and_overrides(monkeypatch):
         ("channel", {"mode": "split_k"}, "mode"),
         ("channel", {"block_n": 8}, "block_n"),  # below the dot's 16
         ("channel", {"mode": "dot"}, "mode must be one of"),  # no e4m3 body on sm_90
-        ("block", {"mode": "fma", "block_n": 8}, "mode must be one of"),
+        ("weight_only", {"mode": "dot_swap", "block_n": 16}, "mode must be one of"),
         ("channel", {"block_k": 48}, "block_k"),
         ("block", {"block_k": 256}, "block_k must be 128"),
         ("block", {"block_n": 256}, "block_n must be <= 128"),
@@ -402,7 +407,7 @@ def cutlass_is_no_closer(out: torch.Tensor, cutlass: torch.Tensor, ref: torch.Te
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
-@pytest.mark.parametrize(("mode", "m"), channel_cases([1, 3, 4, 16, 32, 64]))
+@pytest.mark.parametrize(("mode", "m"), body_cases("channel", [1, 3, 4, 16, 32, 64]))
 def test_channel_llama3_shapes_gpu(name, m, mode):
     n, k = LLAMA3_8B_SHAPES[name]
     b, scale_b = llama3_weight(name, "channel")
@@ -417,13 +422,13 @@ def test_channel_llama3_shapes_gpu(name, m, mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
-@pytest.mark.parametrize("m", [1, 3, 16, 32, 64])
-@pytest.mark.parametrize("mode", skinny.KIND_MODES["block"])
+@pytest.mark.parametrize(("mode", "m"), body_cases("block", [1, 3, 4, 16, 32, 64]))
 def test_block_llama3_shapes_gpu(name, m, mode):
     _n, k = LLAMA3_8B_SHAPES[name]
     b, scale_b = llama3_weight(name, "block")
     a, scale_a = fp8.per_token_group_fp8_quant_ref(randn((m, k), m).cuda())
-    launch = {"mode": mode, "block_n": 64}
+    # fma: 32 columns at M = 1, 8 at the 4-row bucket (the accumulators' registers)
+    launch = {"mode": mode, "block_n": 32 // triton_gemv.m_bucket(m) if mode == "fma" else 64}
     out = skinny.fp8_block_skinny_gemm(a, b, scale_a, scale_b, torch.float16, **launch)
     ref = fp8.block_scaled_mm_ref(a, b, scale_a, scale_b, torch.float16)
     assert_matches(out, ref)
@@ -434,15 +439,18 @@ def test_block_llama3_shapes_gpu(name, m, mode):
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
 @pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.parametrize("split", [2, 3, 8])
-@pytest.mark.parametrize("kind", skinny.KINDS)
-def test_split_k_llama3_shapes_gpu(kind, name, m, split):
+@pytest.mark.parametrize("kind", ["channel", "block"])
+@pytest.mark.parametrize("mode", ["dot_swap", "fma"])
+def test_split_k_llama3_shapes_gpu(mode, kind, name, m, split):
     """Split launches at the real shapes on the device (K = 4096 in 16 steps of 256, or 32
     groups; K = 14336 in 56 / 112: split 3 leaves the last slice short): right against the
-    reference, bit-identical to a repeat, semaphores back at zero."""
+    reference, bit-identical to a repeat, semaphores back at zero. The fma body at M = 1 only."""
+    if mode == "fma" and m > 1:
+        pytest.skip("the fma body takes M <= 4; M = 1 stands for it")
     _n, k = LLAMA3_8B_SHAPES[name]
     b, scale_b = llama3_weight(name, kind)
     x = randn((m, k), m + split).cuda()
-    launch = {"mode": "dot_swap", "block_n": 32, "split_k": split}
+    launch = {"mode": mode, "block_n": 32, "split_k": split}
     if kind == "channel":
         a, scale_a = fp8.per_token_fp8_quant_ref(x)
         args = (a, b, scale_a, scale_b, torch.bfloat16)
@@ -473,7 +481,7 @@ def test_channel_ragged_shape_every_granularity_gpu(granularity, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", skinny.KINDS)
+@pytest.mark.parametrize("kind", ["channel", "block"])
 def test_op_dispatch_gpu(kind, monkeypatch):
     """With a table entry the op returns the Triton kernel's output bit for bit; without one,
     CUTLASS's."""

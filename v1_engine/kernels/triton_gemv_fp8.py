@@ -9,8 +9,8 @@ weight and walks the whole of K with pipelined loads, one kernel per linear; a l
 to arrive sums in slice order (triton_gemv's split epilogue, shared). The e4m3 operands are
 upcast in registers to float16 (exact: every e4m3 value is an fp16 value, and products of two
 are exact in the float32 accumulator) and multiplied on tensor
-cores with the weight tile as the left operand (triton_gemv's "dot_swap" body). The channel kind
-also has an "fma" body for M <= 4, as the bf16 kernel, whose fastest body it is at M = 1 (no
+cores with the weight tile as the left operand (triton_gemv's "dot_swap" body). Both kinds
+also have an "fma" body for M <= 4, as the bf16 kernel, whose fastest body it is at M = 1 (no
 tensor core layouts: each thread multiplies its loaded bytes into a [BLOCK_N, BLOCK_K] float32
 accumulator per activation row, summed over K once at the end); it upcasts e4m3 through
 float16 to float32 (Triton 3.6 on the H200 has no direct e4m3 -> float32 conversion; both steps
@@ -21,7 +21,8 @@ kinds:
   scales applied once in the epilogue in scaled_mm_ref's order;
 - "block" (`fp8_block_skinny_gemm`, DeepSeek-V3 layout): K is walked one 128-wide scale group per
   step and each step's float32 partial product is scaled by scale_a[m, kb] * scale_b[n // 128, kb]
-  before it is added to the accumulator.
+  before it is added to the accumulator (the fma body scales the activation row instead, 128
+  products a row and step rather than a tile's).
 
 Nothing changes until a shape is measured: the ops keep CUTLASS for every shape without an entry
 in FP8_TUNED_LAUNCH (`benchmarks/sweep_skinny_gemm.py --fp8 channel|block` prints the entries),
@@ -42,7 +43,7 @@ from v1_engine.kernels.triton_gemv import _dot, _silu_mul, _split_arrive, _split
 KINDS = ("channel", "block", "weight_only", "gated")
 KIND_MODES = {
     "channel": ("dot_swap", "fma"),
-    "block": ("dot_swap",),
+    "block": ("dot_swap", "fma"),
     "weight_only": ("fma",),
     "gated": ("fma",),
 }
@@ -88,28 +89,38 @@ def _load_weight_f32(b_ptrs, n_mask, k_row, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _row_fma(acc, a_row, row: tl.constexpr, stride_am, M, w32, k_row, DOT_F32: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_K] plus activation row `row` (zeros past M) times w32."""
+def _row_fma(acc, a_row, row: tl.constexpr, stride_am, M, w32, k_row, scale_ptr, stride_s,
+             scale_b, SCALED: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_N, BLOCK_K] plus activation row `row` (zeros past M) times w32; SCALED (the
+    block kind: one scale group a K step) first multiplies the row by its group scale
+    scale_ptr[row * stride_s] times the weight tile's scale_b, BLOCK_K products a row instead
+    of BLOCK_N x BLOCK_K on the weight."""
     row_ok = (k_row.to(tl.int32) * 0 + row) < M
     a = tl.load(a_row + row * stride_am, mask=k_row & row_ok, other=0.0,
                 eviction_policy="evict_last")  # fmt: skip
-    return acc + _to_f32(a, DOT_F32)[None, :] * w32
+    a32 = _to_f32(a, DOT_F32)
+    if SCALED:
+        a32 = a32 * (tl.load(scale_ptr + row * stride_s, mask=row < M, other=0.0) * scale_b)
+    return acc + a32[None, :] * w32
 
 
 @triton.jit
-def _fma_rows(acc0, acc1, acc2, acc3, a_row, stride_am, M, w32, k_row, BLOCK_M: tl.constexpr,
+def _fma_rows(acc0, acc1, acc2, acc3, a_row, stride_am, M, w32, k_row, scale_ptr, stride_s,
+              scale_b, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
               DOT_F32: tl.constexpr):  # fmt: skip
     """One K step of the "fma" body: the weight tile w32 times each of the BLOCK_M (1, 2 or 4)
-    activation rows, into that row's 2-D [BLOCK_N, BLOCK_K] float32 accumulator. 2-D tiles keep
-    the loads 16-byte vectors: a [BLOCK_M, BLOCK_N, BLOCK_K] broadcast had Triton read the e4m3
-    tile back from shared memory byte by byte on sm_90 (200 instructions a 4 KB K step, against
-    160 this way and the bf16 kernel's 106)."""
-    acc0 = _row_fma(acc0, a_row, 0, stride_am, M, w32, k_row, DOT_F32)
+    activation rows, into that row's 2-D [BLOCK_N, BLOCK_K] float32 accumulator (SCALED: each
+    row times its scales first, see _row_fma; unscaled callers pass a_row, 0, 1.0). 2-D tiles
+    keep the loads 16-byte vectors: a [BLOCK_M, BLOCK_N, BLOCK_K] broadcast had Triton read the
+    e4m3 tile back from shared memory byte by byte on sm_90 (200 instructions a 4 KB K step,
+    against 160 this way and the bf16 kernel's 106)."""
+    scaling = (scale_ptr, stride_s, scale_b, SCALED, DOT_F32)
+    acc0 = _row_fma(acc0, a_row, 0, stride_am, M, w32, k_row, *scaling)
     if BLOCK_M > 1:
-        acc1 = _row_fma(acc1, a_row, 1, stride_am, M, w32, k_row, DOT_F32)
+        acc1 = _row_fma(acc1, a_row, 1, stride_am, M, w32, k_row, *scaling)
     if BLOCK_M > 2:
-        acc2 = _row_fma(acc2, a_row, 2, stride_am, M, w32, k_row, DOT_F32)
-        acc3 = _row_fma(acc3, a_row, 3, stride_am, M, w32, k_row, DOT_F32)
+        acc2 = _row_fma(acc2, a_row, 2, stride_am, M, w32, k_row, *scaling)
+        acc3 = _row_fma(acc3, a_row, 3, stride_am, M, w32, k_row, *scaling)
     return acc0, acc1, acc2, acc3
 
 
@@ -189,7 +200,8 @@ def _fp8_skinny_kernel(
             k_row = offs_k < k_end - k
             w32 = _load_weight_f32(b_ptrs, n_mask, k_row, DOT_F32)
             acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, a_row, stride_am, M, w32,
-                                               k_row, BLOCK_M, DOT_F32)  # fmt: skip
+                                               k_row, a_row, 0, 1.0, False, BLOCK_M,
+                                               DOT_F32)  # fmt: skip
         else:
             k_mask = offs_k[None, :] < k_end - k
             acc += _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
@@ -252,12 +264,16 @@ def _fp8_block_skinny_kernel(
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    FMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Block-scaled kind: BLOCK_K is the scale group and BLOCK_N divides it, so each step's weight
     tile has one scale (scale_b[n // BLOCK_K, kb]) and each activation row one (scale_a[m, kb]).
     Program (n, s) walks the s-th k_per_split-wide slice of K (whole groups; all of K unsplit);
-    the partial sums are scaled already, so a split only adds them."""
+    the partial sums are scaled already, so a split only adds them. FMA picks the "fma" body,
+    which scales each activation row by its two scales before multiplying it into the row's
+    accumulator (the sums over K then come out scaled), else "dot_swap", which scales each
+    step's partial product."""
     tile = tl.program_id(0)
     pdl_wait(PDL)
     kb_start = tl.program_id(1) * (k_per_split // BLOCK_K)
@@ -270,19 +286,37 @@ def _fp8_block_skinny_kernel(
     k_offs = kb_start * BLOCK_K + offs_k
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + k_offs[None, :]
     b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + k_offs[None, :]
+    a_row = a_ptr + k_offs  # the fma body's row 0 (rows follow at stride_am)
     scale_a_ptrs = scale_a_ptr + offs_m * stride_sam
     scale_b_ptr += (tile * BLOCK_N // BLOCK_K) * stride_sbn
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if FMA:
+        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc1 = tl.zeros_like(acc0)
+        acc2 = tl.zeros_like(acc0)
+        acc3 = tl.zeros_like(acc0)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for kb in tl.range(kb_start, kb_end, num_stages=NUM_STAGES):
-        k_mask = offs_k[None, :] < K - kb * BLOCK_K
-        partial = _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
-        scale_a = tl.load(scale_a_ptrs + kb * stride_sak, mask=m_mask, other=0.0)
         scale_b = tl.load(scale_b_ptr + kb * stride_sbk)
-        acc += partial * scale_a[None, :] * scale_b
+        if FMA:
+            k_row = offs_k < K - kb * BLOCK_K
+            w32 = _load_weight_f32(b_ptrs, n_mask, k_row, DOT_F32)
+            acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, a_row, stride_am, M, w32,
+                                               k_row, scale_a_ptr + kb * stride_sak, stride_sam,
+                                               scale_b, True, BLOCK_M, DOT_F32)  # fmt: skip
+        else:
+            k_mask = offs_k[None, :] < K - kb * BLOCK_K
+            partial = _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
+            scale_a = tl.load(scale_a_ptrs + kb * stride_sak, mask=m_mask, other=0.0)
+            acc += partial * scale_a[None, :] * scale_b
         a_ptrs += BLOCK_K
+        a_row += BLOCK_K
         b_ptrs += BLOCK_K
     pdl_release(PDL)
-    result = tl.trans(acc)
+    if FMA:
+        result = _fma_result(acc0, acc1, acc2, acc3, offs_m, BLOCK_M)
+    else:
+        result = tl.trans(acc)
     if SPLIT_K > 1:
         tile_mask = m_mask[:, None] & n_mask[None, :]
         split = (partial_ptr, arrivals_ptr, tile, offs_m, offs_n, tile_mask, M, N)
@@ -342,12 +376,12 @@ def _fp8_decode_kernel(
     for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k_row = offs_k < K - k
         w32 = _load_weight_f32(g_ptrs, n_mask, k_row, DOT_F32)
-        g0, g1, g2, g3 = _fma_rows(g0, g1, g2, g3, a_row, stride_am, M, w32, k_row, BLOCK_M,
-                                   DOT_F32)  # fmt: skip
+        g0, g1, g2, g3 = _fma_rows(g0, g1, g2, g3, a_row, stride_am, M, w32, k_row, a_row, 0,
+                                   1.0, False, BLOCK_M, DOT_F32)  # fmt: skip
         if GATED:
             w32 = _load_weight_f32(u_ptrs, n_mask, k_row, DOT_F32)
-            u0, u1, u2, u3 = _fma_rows(u0, u1, u2, u3, a_row, stride_am, M, w32, k_row, BLOCK_M,
-                                       DOT_F32)  # fmt: skip
+            u0, u1, u2, u3 = _fma_rows(u0, u1, u2, u3, a_row, stride_am, M, w32, k_row, a_row,
+                                       0, 1.0, False, BLOCK_M, DOT_F32)  # fmt: skip
             u_ptrs += BLOCK_K
         a_row += BLOCK_K
         g_ptrs += BLOCK_K
@@ -576,6 +610,7 @@ def fp8_block_skinny_gemm(
         out.stride(0),
         *scale_a.stride(),
         *scale_b.stride(),
+        FMA=config["mode"] == "fma",
         **_constexprs(m, config, a.device),
     )
     return out
@@ -704,4 +739,4 @@ def precompile_fp8(
     else:
         groups_k = triton.cdiv(k, SCALE_GROUP)
         args = (fp8, fp8, fp32, fp32, out_dtype, *workspace, *sizes, groups_k, 1, groups_k, 1)
-        _fp8_block_skinny_kernel.warmup(*args, grid=(1,), **constexprs)
+        _fp8_block_skinny_kernel.warmup(*args, grid=(1,), FMA=config["mode"] == "fma", **constexprs)
