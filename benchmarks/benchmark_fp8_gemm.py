@@ -285,9 +285,16 @@ def main() -> None:
         "(latency.py --gemm-tables reads it)",
     )
     parser.add_argument("--markdown", action="store_true", help="print a RESULTS.md table")
+    parser.add_argument(
+        "--gemm-tables",
+        help="a write_gemm_tables file (sweep_skinny_gemm.py --json, --tune --json) whose "
+        "entries the ops take in this run: the comparison before they are committed",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (sm_90)")
+    if args.gemm_tables:
+        print(bench_utils.apply_gemm_tables(args.gemm_tables), flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.tune:
         run_tune(args)

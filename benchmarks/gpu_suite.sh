@@ -8,8 +8,13 @@
 # $OUT (the device tool's output folder) or benchmarks/logs/.
 # Knobs: BENCH_MODEL (a folder of benchmarks/configs, default llama3-8b), LATENCY_ARGS,
 # THROUGHPUT_ARGS (extra flags), SUITE_STAGES (any of: tests latency throughput startup fp8
-# deepseek profile sweeps; default the first three). `sweeps` runs the launch sweeps of the
-# skinny GEMM and the attention kernel: paste their tables.
+# deepseek profile sweeps fp8tests fp8decode fp8ab; default the first three). `sweeps` runs
+# the launch sweeps of the skinny GEMM and the attention kernel: paste their tables. The FP8
+# decode stages, each meant for one 10-minute device call: `fp8tests` the GPU tests of the
+# FP8 decode kernels, ops and passes; `fp8decode` their sweeps at M 1 / 2 / 4 into one table
+# file (GEMM_TABLES, default $LOG_DIR/fp8_decode.json) and the per-shape FP8 GEMM table at
+# M = 1 without and with it; `fp8ab` FP8 batch-1 decode without and with that file (and with
+# the opt-in decode passes), alternating (bring the file back as GEMM_TABLES).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=${OUT:-benchmarks/logs}
@@ -100,6 +105,48 @@ if [[ " $STAGES " == *" sweeps "* ]]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   { echo; echo "## sweeps (tables to paste: see sweeps.log)"; grep -E "TUNED_LAUNCH|^prefill|^batch" \
     "$LOG_DIR/sweeps.log"; } >> "$summary"
+fi
+TABLES=${GEMM_TABLES:-$LOG_DIR/fp8_decode.json}
+if [[ " $STAGES " == *" fp8tests "* ]]; then
+  python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fp8_decode_gemm.py \
+    tests/kernels/test_triton_gemv_fp8.py tests/models/test_fp8_linear.py \
+    tests/compile/test_fp8_fusion.py tests/kernels/test_triton_mlp.py 2>&1 \
+    | tee "$LOG_DIR/fp8tests.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  { echo; echo "## fp8 decode GPU tests"; tail -n 1 "$LOG_DIR/fp8tests.log"; } >> "$summary"
+fi
+if [[ " $STAGES " == *" fp8decode "* ]]; then
+  for sweep in "channel --modes fma --shapes qkv,o_proj,gate_up,down" \
+               "weight_only --shapes o_proj,down" "gated --shapes gate_up" \
+               "block --split-k 2,4,8 --shapes qkv,o_proj,gate_up,down"; do
+    # shellcheck disable=SC2086
+    python3 benchmarks/sweep_skinny_gemm.py --fp8 $sweep --m 1,2,4 --seconds 10 \
+      --json "$TABLES" 2>&1 | tee -a "$LOG_DIR/fp8decode_sweeps.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+  # The per-shape table at M = 1 (per-channel vs cuBLASLt, block / per-channel) without and
+  # with the swept entries: faster per-channel rows lower the block ratio (goal >= 0.8).
+  for tables in "" "--gemm-tables $TABLES"; do
+    # shellcheck disable=SC2086
+    python3 benchmarks/benchmark_fp8_gemm.py --m 1 $tables 2>&1 | tee -a "$LOG_DIR/fp8decode_gemm.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+  { echo; echo "## fp8 decode kernels"
+    grep -E "^- |GEMM tables from" "$LOG_DIR/fp8decode_gemm.log"
+    grep -E "TUNED_LAUNCH|^\| " "$LOG_DIR/fp8decode_sweeps.log"; } >> "$summary"
+fi
+if [[ " $STAGES " == *" fp8ab "* ]]; then
+  [ -f "$TABLES" ] || { echo "fp8ab: no table file $TABLES (run the fp8decode stage)"; exit 1; }
+  ab="--quantization fp8 --batch-sizes 1 --prefill-lens '' --decode-steps 64 --repeats 2"
+  passes="--add-fusion-passes fp8_gated_mlp,fp8_dynamic_linear"
+  for variant in "" "--gemm-tables $TABLES" "--gemm-tables $TABLES $passes" ""; do
+    echo "### variant: ${variant:-base}" | tee -a "$LOG_DIR/fp8ab.log"
+    eval python3 benchmarks/latency.py --model "$MODEL" "$ab" "$variant" 2>&1 \
+      | tee -a "$LOG_DIR/fp8ab.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+  { echo; echo "## fp8 batch-1 A/B (base, tables, tables + passes, base)"
+    grep -E "^### variant|^\| 1 " "$LOG_DIR/fp8ab.log"; } >> "$summary"
 fi
 cp benchmarks/RESULTS.md "$LOG_DIR/RESULTS.md" 2>/dev/null
 cat "$summary"

@@ -27,7 +27,8 @@ def greedy_runs(model_dir: Path, pass_lists: list[list[str]], **llm_kwargs) -> l
     engine's pass match counts)."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(10, 100000, (n,), generator=gen).tolist() for n in (3, 17, 40)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    # top 5: a disagreement then says whether it was a near-tie (see assert_same_greedy)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
     runs = []
     for passes in pass_lists:
         llm = LLM(
@@ -57,8 +58,24 @@ def assert_same_greedy(got: list, want: list, min_agree: int = 4, tol: float = 0
             (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
             len(b.token_ids),
         )
-        assert agree >= min_agree, (a.token_ids, b.token_ids)
+        assert agree >= min_agree, (a.token_ids, b.token_ids, _disagreement(a, b, agree))
         for step in range(agree):
             token = a.token_ids[step]
             la, lb = a.logprobs[step][token].logprob, b.logprobs[step][token].logprob
             assert abs(la - lb) < tol, (step, la, lb)
+
+
+def _disagreement(got, want, step: int) -> str:
+    """Each side's top-5 logprobs of both tokens at the first step where they differ: a gap
+    within bf16 roundings means a near-tie that any reordered sum flips, a large one a wrong
+    result."""
+    x, y = got.token_ids[step], want.token_ids[step]
+
+    def logprob(completion, token: int) -> str:
+        entry = completion.logprobs[step].get(token)
+        return "not in top 5" if entry is None else f"{entry.logprob:.4f}"
+
+    return (
+        f"step {step}: got {x} (got's logprob {logprob(got, x)}, want's {logprob(want, x)}), "
+        f"want {y} (got's logprob {logprob(got, y)}, want's {logprob(want, y)})"
+    )
