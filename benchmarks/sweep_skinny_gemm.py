@@ -149,14 +149,18 @@ def fma_fits(kind: str, launch: dict, m: int) -> bool:
 
 
 def fma_block_ns(kind: str) -> tuple[int, ...]:
-    """fma column tiles, most promising first. The block kind's K step is one 128-wide group, so
-    it needs the wider tiles for 16-byte loads (32 x 128 e4m3 = 32 bytes a thread at 4 warps)."""
+    """fma column tiles. The block kind's K step is one 128-wide group, so it needs the wider
+    tiles for 16-byte loads (32 x 128 e4m3 = 32 bytes a thread at 4 warps)."""
     return (32, 16, 64, 8) if kind == "block" else (8, 16, 4, 32, 2)
 
 
 def fma_configs(kind: str) -> list[dict]:
     """Broadcast multiply-reduce bodies, each fitting registers and shared memory at M = 1 at
-    least (`applies` checks each M's own)."""
+    least (`applies` checks each M's own), the most accumulator values a thread first: a K
+    step's fixed costs (the activation row's conversion, addresses, the loop) then spread over
+    more weight bytes. In the sm_90 builds of the FP8 kinds (`python
+    tests/kernels/fp8_decode_probe.py --rank KIND M`) the launches with 64 values a thread issue
+    0.11-0.13 warp instructions a weight byte at M = 1, those with 32 (the default) 0.16."""
     if "fma" not in (triton_gemv.MODES if kind == "bf16" else fp8_skinny.KIND_MODES[kind]):
         return []
     space = itertools.product((4, 3, 6), block_ks(kind, fma=True), fma_block_ns(kind), (4, 8))
@@ -171,7 +175,7 @@ def fma_configs(kind: str) -> list[dict]:
         }
         if fma_fits(kind, launch, 1) and smem_bytes(kind, launch, 1) <= SMEM_BYTES:
             configs.append(launch)
-    return configs
+    return sorted(configs, key=lambda c: -c["block_n"] * c["block_k"] // c["num_warps"])
 
 
 def split_configs(kind: str, splits: list[int]) -> list[dict]:

@@ -209,8 +209,12 @@ def test_skinny_sweep_builds_only_launches_the_kernels_take(kind):
             ran += 1
     assert ran > 0
     fma = [c for c in configs if c["mode"] == "fma"]
+    if fma:  # the most float32 accumulator values a thread first (64 at M = 1)
+        per_thread = [c["block_n"] * c["block_k"] // (32 * c["num_warps"]) for c in fma]
+        gated = 2 if kind == "gated" else 1
+        assert per_thread[0] * gated == 64 and per_thread[0] == max(per_thread)
     if kind == "block":
         assert fma and {c["block_k"] for c in fma} == {fp8_skinny.SCALE_GROUP}
-        assert fma[0]["block_n"] == 32 and any(c.get("split_k", 1) == 4 for c in fma)
+        assert fma[0]["block_n"] == 64 and any(c.get("split_k", 1) == 4 for c in fma)
     if kind in fp8_skinny.DECODE_KINDS:
         assert all(c.get("split_k", 1) == 1 for c in configs) and fma == configs

@@ -9,6 +9,8 @@ pipeline_probe.py)."""
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
 import os
 import re
@@ -52,15 +54,35 @@ def sass(compiled) -> str:
         ).stdout  # fmt: skip
 
 
-def describe(kernel_name: str) -> dict:
+def k_loop_instructions(code: str) -> int:
+    """Instructions of the SASS's longest backward branch: the K loop's body."""
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", code)
+    longest = 0
+    for address, text in lines:
+        target = re.search(r"\bBRA(?:\.U)?\s+0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < int(address, 16):
+            longest = max(longest, (int(address, 16) - int(target.group(1), 16)) // 16 + 1)
+    return longest
+
+
+def describe(kernel_name: str, weight_bytes: int) -> dict:
+    """The compiled kernel's figures; `weight_bytes` is what one program's K step reads of the
+    weight. "issue_per_byte": warp instructions the SM issues per weight byte (the K loop's
+    instructions times the warps, over those bytes). At the H200's HBM rate an SM takes about
+    16.5 bytes a clock and issues at most 4 warp instructions, so the body is issue-bound above
+    about 0.24."""
     compiled, options, _ = compile_recorded(kernel_name)
     probe.recorded.clear()
     registers, stack = register_usage(compiled)
     ptx = compiled.asm["ptx"]
+    code = sass(compiled)
+    loop = k_loop_instructions(code)
     return {
         "registers": registers,
         "stack": stack,
-        "byte_smem_loads": len(re.findall(r"\bLDS\.U8\b", sass(compiled))),
+        "k_loop": loop,
+        "issue_per_byte": round(loop * options["num_warps"] / weight_bytes, 4),
+        "byte_smem_loads": len(re.findall(r"\bLDS\.U8\b", code)),
         "e4m3_to_f16x2": len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)),
         "tensor_core": "mma." in ptx or "wgmma" in ptx,
         "shared": compiled.metadata.shared,
@@ -68,38 +90,69 @@ def describe(kernel_name: str) -> dict:
     }
 
 
+def compile_case(kind: str, m: int, n: int, k: int, launch: dict) -> dict:
+    """Records the `kind` GEMM's launch on zero CPU tensors and describes its sm_90 build."""
+    fp8 = fp8_skinny.FP8_DTYPE
+    b = torch.zeros(n, k, dtype=fp8)
+    if kind == "channel":
+        a = torch.zeros(m, k, dtype=fp8)
+        fp8_skinny.fp8_skinny_gemm(
+            a, b, torch.ones(m, 1), torch.ones(n, 1), torch.bfloat16, **launch
+        )
+    elif kind == "block":
+        a = torch.zeros(m, k, dtype=fp8)
+        groups = triton.cdiv(k, fp8_skinny.SCALE_GROUP)
+        scale_b = torch.ones(triton.cdiv(n, fp8_skinny.SCALE_GROUP), groups)
+        fp8_skinny.fp8_block_skinny_gemm(
+            a, b, torch.ones(m, groups), scale_b, torch.bfloat16, **launch
+        )
+    elif kind == "weight_only":
+        x = torch.zeros(m, k, dtype=torch.bfloat16)
+        fp8_skinny.fp8_weight_only_gemm(x, b, torch.ones(n, 1), **launch)
+    else:  # gated: n weight rows (gate, then up) for n / 2 output columns
+        a = torch.zeros(m, k, dtype=fp8)
+        fp8_skinny.fp8_gated_gemm(
+            a, b, torch.ones(m, 1), torch.ones(n, 1), torch.bfloat16, **launch
+        )
+    rows = launch["block_n"] * (2 if kind == "gated" else 1)
+    return describe(KERNELS[kind], rows * launch["block_k"])
+
+
+def rank(kind: str, m: int, top: int) -> list[dict]:
+    """Every fma launch of `kind` at M whose float32 accumulators fit 64 registers a thread
+    (sweep_skinny_gemm's rule), by issue_per_byte, best first: what the sweep should time
+    first."""
+    block_ks = (fp8_skinny.SCALE_GROUP,) if kind == "block" else (256, 512, 1024, 2048)
+    block_ns = (4, 8, 16, 32, 64) if kind == "block" else (2, 4, 8, 16, 32)
+    rows = []
+    for block_k, block_n, warps in itertools.product(block_ks, block_ns, (4, 8)):
+        values = m * block_n * block_k * (2 if kind == "gated" else 1)
+        if values > 64 * 32 * warps:
+            continue
+        launch = {"mode": "fma", "block_n": block_n, "block_k": block_k, "num_warps": warps,
+                  "num_stages": 4}  # fmt: skip
+        rows.append(launch | compile_case(kind, m, 8192, 4096, launch))
+    return sorted(rows, key=lambda row: row["issue_per_byte"])[:top]
+
+
 def main() -> None:
     kernels = (fp8_skinny._fp8_skinny_kernel, fp8_skinny._fp8_block_skinny_kernel,
                fp8_skinny._fp8_decode_kernel)  # fmt: skip
     for kernel in kernels:
         kernel.run = probe._recorder(kernel)
-    fp8 = fp8_skinny.FP8_DTYPE
+    parser = argparse.ArgumentParser(description="sm_90 builds of the FP8 fma kernels")
+    parser.add_argument("--rank", nargs=2, metavar=("KIND", "M"),
+                        help="rank a kind's fma launches at M by issue_per_byte instead")  # fmt: skip
+    parser.add_argument("--top", type=int, default=8)
+    args = parser.parse_args()
+    if args.rank:
+        json.dump(rank(args.rank[0], int(args.rank[1]), args.top), sys.stdout, indent=1)
+        return
     results = {}
     for name, (kind, m, n, k, block_n, block_k) in CASES.items():
-        b = torch.zeros(n, k, dtype=fp8)
         launch = {"mode": "fma", "block_n": block_n, "block_k": block_k, "num_warps": 4,
                   "num_stages": 4}  # fmt: skip
-        if kind == "channel":
-            a = torch.zeros(m, k, dtype=fp8)
-            fp8_skinny.fp8_skinny_gemm(
-                a, b, torch.ones(m, 1), torch.ones(n, 1), torch.bfloat16, **launch
-            )
-        elif kind == "block":
-            a = torch.zeros(m, k, dtype=fp8)
-            groups = triton.cdiv(k, fp8_skinny.SCALE_GROUP)
-            scale_b = torch.ones(triton.cdiv(n, fp8_skinny.SCALE_GROUP), groups)
-            fp8_skinny.fp8_block_skinny_gemm(
-                a, b, torch.ones(m, groups), scale_b, torch.bfloat16, **launch
-            )
-        elif kind == "weight_only":
-            x = torch.zeros(m, k, dtype=torch.bfloat16)
-            fp8_skinny.fp8_weight_only_gemm(x, b, torch.ones(n, 1), **launch)
-        else:
-            a = torch.zeros(m, k, dtype=fp8)
-            fp8_skinny.fp8_gated_gemm(
-                a, b, torch.ones(m, 1), torch.ones(n, 1), torch.bfloat16, **launch
-            )
-        results[name] = describe(KERNELS[kind])
+        results[name] = compile_case(kind, m, n, k, launch)
     json.dump(results, sys.stdout)
 
 
