@@ -116,7 +116,7 @@ if [[ " $STAGES " == *" fp8tests "* ]]; then
   { echo; echo "## fp8 decode GPU tests"; tail -n 1 "$LOG_DIR/fp8tests.log"; } >> "$summary"
 fi
 if [[ " $STAGES " == *" fp8decode "* ]]; then
-  for sweep in "channel --modes fma --shapes qkv,o_proj,gate_up,down" \
+  for sweep in "channel --modes fma,wgmma --split-k 2,4 --shapes qkv,o_proj,gate_up,down" \
                "weight_only --shapes o_proj,down" "gated --shapes gate_up" \
                "block --split-k 2,4,8 --shapes qkv,o_proj,gate_up,down"; do
     # shellcheck disable=SC2086

@@ -27,8 +27,8 @@ then each shape gets a time budget, most promising configs first.
 The FP8 decode kinds (fma body, M <= 4; `--json` gathers the entries of several sweeps in one
 file for `latency.py --gemm-tables`):
 
-    python benchmarks/sweep_skinny_gemm.py --fp8 channel --modes fma --m 1,2,4 \
-        --shapes qkv,o_proj,gate_up,down --json fp8_decode.json
+    python benchmarks/sweep_skinny_gemm.py --fp8 channel --modes fma,wgmma --split-k 2,4 \
+        --m 1,2,4 --shapes qkv,o_proj,gate_up,down --json fp8_decode.json
     python benchmarks/sweep_skinny_gemm.py --fp8 weight_only --m 1,2,4 \
         --shapes o_proj,down --json fp8_decode.json
     python benchmarks/sweep_skinny_gemm.py --fp8 gated --m 1,2,4 --shapes gate_up \
@@ -154,6 +154,28 @@ def fma_block_ns(kind: str) -> tuple[int, ...]:
     return (32, 16, 64, 8) if kind == "block" else (8, 16, 4, 32, 2)
 
 
+def wgmma_configs(kind: str) -> list[dict]:
+    """The FP8 kinds' "wgmma" body (e4m3 tiles straight into FP8 warpgroup MMAs): column tiles
+    of one or two warpgroup MMAs' 64 rows, K steps of whole 128-wide promotion intervals,
+    fitting shared memory at the smallest BLOCK_M."""
+    if "wgmma" not in fp8_skinny.KIND_MODES.get(kind, ()):
+        return []
+    block_ks = (fp8_skinny.SCALE_GROUP,) if kind == "block" else (256, 128, 512)
+    space = itertools.product((4, 3, 6), block_ks, (64, 128), (4, 8))
+    configs = []
+    for stages, block_k, block_n, warps in space:
+        launch = {
+            "mode": "wgmma",
+            "block_n": block_n,
+            "block_k": block_k,
+            "num_warps": warps,
+            "num_stages": stages,
+        }
+        if smem_bytes(kind, launch, 1) <= SMEM_BYTES:
+            configs.append(launch)
+    return configs
+
+
 def fma_configs(kind: str) -> list[dict]:
     """Broadcast multiply-reduce bodies, each fitting registers and shared memory at M = 1 at
     least (`applies` checks each M's own), the most accumulator values a thread first: a K
@@ -197,6 +219,9 @@ def split_configs(kind: str, splits: list[int]) -> list[dict]:
             if smem_bytes(kind, config, 1) <= SMEM_BYTES:
                 configs.append(config)
     if kind in ("channel", "block"):
+        for launch, split in itertools.product(wgmma_configs(kind), splits):
+            if smem_bytes(kind, launch, 1) <= SMEM_BYTES:
+                configs.append(launch | {"split_k": split})
         for launch, split in itertools.product(fma_configs(kind), splits):
             if launch["block_n"] >= 16:
                 configs.append(launch | {"split_k": split})
@@ -204,14 +229,27 @@ def split_configs(kind: str, splits: list[int]) -> list[dict]:
 
 
 def interleave(dot: list[dict], fma: list[dict]) -> list[dict]:
-    """Both lists in their own order, three dot configs to one fma config, so a short budget
-    still samples both bodies."""
+    """Both lists in their own order, three of the first to one of the second, so a short budget
+    still samples both (the dot and wgmma bodies, then those and the fma body)."""
     merged = []
     for i, launch in enumerate(dot):
         merged.append(launch)
         if i % 3 == 2 and fma:
             merged.append(fma.pop(0))
     return merged + fma
+
+
+def sweep_configs(kind: str, splits: list[int], modes: list[str] | None) -> list[dict]:
+    """Every config the sweep times for `kind`, most promising first: the bodies interleaved,
+    the split launches (`splits` ways) alternating with them, only `modes` (default: the
+    kind's bodies)."""
+    kind_modes = triton_gemv.MODES if kind == "bf16" else fp8_skinny.KIND_MODES[kind]
+    modes = set(modes or kind_modes)
+    configs = interleave(interleave(dot_configs(kind), wgmma_configs(kind)), fma_configs(kind))
+    split = split_configs(kind, splits)
+    if split:
+        configs = [c for pair in itertools.zip_longest(configs, split) for c in pair if c]
+    return [c for c in configs if c["mode"] in modes]
 
 
 def applies(kind: str, launch: dict, m: int) -> bool:
@@ -474,13 +512,8 @@ def main() -> None:
         )
     if args.json and kind == "bf16":
         raise SystemExit("--json writes the FP8 skinny entries only (with --fp8)")
-    kind_modes = triton_gemv.MODES if kind == "bf16" else fp8_skinny.KIND_MODES[kind]
-    modes = set(args.modes.split(",")) if args.modes else set(kind_modes)
-    configs = interleave(dot_configs(kind), fma_configs(kind))
-    splits = split_configs(kind, [int(s) for s in args.split_k.split(",") if s])
-    if splits:
-        configs = [c for pair in itertools.zip_longest(configs, splits) for c in pair if c]
-    configs = [c for c in configs if c["mode"] in modes]
+    modes = args.modes.split(",") if args.modes else None
+    configs = sweep_configs(kind, [int(s) for s in args.split_k.split(",") if s], modes)
     torch.manual_seed(0)
     begin = time.perf_counter()
     precompile_all(kind, configs, ms, args.workers)

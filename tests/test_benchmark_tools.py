@@ -185,16 +185,13 @@ def test_skinny_sweep_builds_only_launches_the_kernels_take(kind):
     """Every config sweep_skinny_gemm.py builds for a kind (bodies, splits) resolves in the
     kernel's own launch rules at each decode M the sweep runs it at, so a device call never
     spends its time on configs the kernel rejects; the block kind's fma body is swept, one
-    128-wide group a K step, split too."""
+    128-wide group a K step, split too; the FP8 kinds' wgmma body early, split too."""
     import sweep_skinny_gemm as sweep
 
     from v1_engine.kernels import triton_gemv
     from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
 
-    configs = sweep.interleave(sweep.dot_configs(kind), sweep.fma_configs(kind))
-    configs += sweep.split_configs(kind, [2, 4])
-    modes = triton_gemv.MODES if kind == "bf16" else fp8_skinny.KIND_MODES[kind]
-    configs = [c for c in configs if c["mode"] in modes]  # as the sweep filters them
+    configs = sweep.sweep_configs(kind, [2, 4], None)
     n, k = sweep.SHAPES["down"]
     ran = 0
     for launch in configs:
@@ -216,5 +213,14 @@ def test_skinny_sweep_builds_only_launches_the_kernels_take(kind):
     if kind == "block":
         assert fma and {c["block_k"] for c in fma} == {fp8_skinny.SCALE_GROUP}
         assert fma[0]["block_n"] == 64 and any(c.get("split_k", 1) == 4 for c in fma)
+    wgmma = [c for c in configs if c["mode"] == "wgmma"]
+    if kind in ("channel", "block"):  # the FP8 MMA body, split too, among the first configs
+        assert wgmma and all(c["block_n"] % 64 == 0 for c in wgmma)
+        assert any(c.get("split_k", 1) == 4 for c in wgmma)
+        assert any(c["mode"] == "wgmma" for c in configs[:8])
+    else:
+        assert not wgmma
+    assert sweep.sweep_configs(kind, [], ["fma"]) == [c for c in configs if c["mode"] == "fma"
+                                                     and c.get("split_k", 1) == 1]  # fmt: skip
     if kind in fp8_skinny.DECODE_KINDS:
         assert all(c.get("split_k", 1) == 1 for c in configs) and fma == configs

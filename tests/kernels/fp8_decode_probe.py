@@ -1,5 +1,5 @@
 """Compiles the FP8 decode-size fma kernels (kernels/triton_gemv_fp8.py: the channel and block
-kinds' fma bodies, the weight_only and gated kinds) for sm_90 (no GPU needed) at the launches their sweeps
+kinds' fma bodies, the weight_only and gated kinds) and the two kinds' wgmma body for sm_90 (no GPU needed) at the launches their sweeps
 start from, and prints, as JSON per case, registers, spills, the e4m3 conversions in the PTX,
 shared-memory loads of single bytes in the SASS and the shared memory the pipeliner gave the
 tiles. Run by test_fp8_decode_gemm.py in a fresh
@@ -37,6 +37,12 @@ CASES = {  # name: (kind, M, N, K, block_n, block_k); Llama-3-8B shapes
     # the block kind steps one 128-wide scale group: wider column tiles for 16-byte loads
     "block_o_proj_m1": ("block", 1, 4096, 4096, 32, 128),
     "block_down_m4": ("block", 4, 4096, 14336, 8, 128),
+}
+WGMMA_CASES = {  # the "wgmma" body (FP8 warpgroup MMA on the e4m3 tiles as loaded)
+    "wgmma_channel_o_proj_m1": ("channel", 1, 4096, 4096, 64, 256),
+    "wgmma_channel_down_m16": ("channel", 16, 4096, 14336, 128, 128),
+    "wgmma_block_o_proj_m1": ("block", 1, 4096, 4096, 64, 128),
+    "wgmma_block_down_m64": ("block", 64, 4096, 14336, 128, 128),
 }
 KERNELS = {"channel": "_fp8_skinny_kernel", "block": "_fp8_block_skinny_kernel",
            "weight_only": "_fp8_decode_kernel", "gated": "_fp8_decode_kernel"}  # fmt: skip
@@ -85,6 +91,8 @@ def describe(kernel_name: str, weight_bytes: int) -> dict:
         "byte_smem_loads": len(re.findall(r"\bLDS\.U8\b", code)),
         "e4m3_to_f16x2": len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)),
         "tensor_core": "mma." in ptx or "wgmma" in ptx,
+        "fp8_wgmma": len(re.findall(r"\bQGMMA\.\w+\.F32\.E4M3\.E4M3\b", code)),
+        "f16_unpacks": len(re.findall(r"\bF2FP\.F16\.E4M3\.UNPACK", code)),
         "shared": compiled.metadata.shared,
         "num_warps": options["num_warps"],
     }
@@ -149,8 +157,10 @@ def main() -> None:
         json.dump(rank(args.rank[0], int(args.rank[1]), args.top), sys.stdout, indent=1)
         return
     results = {}
-    for name, (kind, m, n, k, block_n, block_k) in CASES.items():
-        launch = {"mode": "fma", "block_n": block_n, "block_k": block_k, "num_warps": 4,
+    cases = [(case, "fma") for case in CASES.items()]
+    cases += [(case, "wgmma") for case in WGMMA_CASES.items()]
+    for (name, (kind, m, n, k, block_n, block_k)), mode in cases:
+        launch = {"mode": mode, "block_n": block_n, "block_k": block_k, "num_warps": 4,
                   "num_stages": 4}  # fmt: skip
         results[name] = compile_case(kind, m, n, k, launch)
     json.dump(results, sys.stdout)

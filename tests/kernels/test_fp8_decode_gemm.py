@@ -206,14 +206,21 @@ def test_gated_mlp_cuda_body_dispatch_interpreted(chain, monkeypatch):
 
 def test_fma_kernels_compile_for_sm90_without_spills(run_compile_probe):
     """The fma launches the sweeps start from, compiled for sm_90 (fp8_decode_probe.py): no
-    spills, at M = 1 a K loop the SM can issue at the HBM rate, no tensor-core instructions, e4m3 upcast by the packed two-value conversion, the
-    weight tiles multi-buffered in shared memory (cp.async pipelining) and read back in vectors
-    (a 3-D broadcast read them byte by byte: 200 instructions a 4 KB step at M = 1 against 160,
-    the bf16 kernel's 106)."""
+    spills, at M = 1 a K loop the SM can issue at the HBM rate, no tensor-core instructions,
+    e4m3 upcast by the packed two-value conversion, the weight tiles multi-buffered in shared
+    memory (cp.async pipelining) and read back in vectors (a 3-D broadcast read them byte by
+    byte: 200 instructions a 4 KB step at M = 1 against 160, the bf16 kernel's 106). The wgmma
+    launches: FP8 warpgroup MMAs on the tiles as loaded, no upcast, half the fma body's
+    instructions a byte or fewer."""
     report = run_compile_probe("fp8_decode_probe.py")
-    assert len(report) == 8
+    assert len(report) == 12
     for name, case in report.items():
         assert case["k_loop"] > 0, (name, case)  # the K loop was found in the SASS
+        if name.startswith("wgmma_"):  # FP8 warpgroup MMAs on the tiles as loaded
+            assert case["stack"] == 0 and case["fp8_wgmma"] > 0, (name, case)
+            assert case["f16_unpacks"] == 0 and case["e4m3_to_f16x2"] == 0, (name, case)
+            assert case["issue_per_byte"] < 0.1, (name, case)
+            continue
         if name.endswith("_m1"):  # below the ~0.24 warp instructions a byte an SM issues at HBM
             assert case["issue_per_byte"] < 0.2, (name, case)
         assert case["stack"] == 0 and case["registers"] <= 128, (name, case)

@@ -101,9 +101,10 @@ def body_cases(kind: str, ms: list[int]) -> list[tuple[str, int]]:
 
 
 def launch_for(mode: str, kind: str) -> dict:
-    """Small tiles so the tiny shapes span several programs and K steps."""
-    block_n = 16
-    block_k = 128 if kind == "block" else 32
+    """Small tiles so the tiny shapes span several programs and K steps (the wgmma body's
+    smallest: 64 columns, 128-deep steps)."""
+    block_n = 64 if mode == "wgmma" else 16
+    block_k = 128 if kind == "block" or mode == "wgmma" else 32
     return {"mode": mode, "block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": 2}
 
 
@@ -184,7 +185,7 @@ def test_block_split_k_matches_reference_interpreted(mode, m, k, split):
 
 
 @interpreter_only
-@pytest.mark.parametrize(("mode", "m"), [("dot_swap", 5), ("fma", 3)])
+@pytest.mark.parametrize(("mode", "m"), [("dot_swap", 5), ("wgmma", 5), ("fma", 3)])
 def test_block_kernel_reads_transposed_scales_and_whole_block_tiles_interpreted(mode, m):
     """scale_a as a column-major view (strides read as given) and BLOCK_N = 128 = one weight
     block per tile."""
@@ -361,6 +362,8 @@ def test_launch_table_and_overrides(monkeypatch):
     assert skinny.resolve_fp8_launch("block", 3, 1024, 2048, {"split_k": 4})["split_k"] == 4
     fma = {"mode": "fma", "block_n": 8}  # the block kind's fma body: one group a K step too
     assert skinny.resolve_fp8_launch("block", 3, 1024, 2048, fma)["block_k"] == 128
+    wgmma = {"mode": "wgmma", "block_n": 128, "block_k": 256}
+    assert skinny.resolve_fp8_launch("channel", 64, 1024, 2048, wgmma)["mode"] == "wgmma"
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", False)
     assert not skinny.prefers_fp8_skinny("channel", 3, 1024, 2048)
     for kind, bad, match in (
@@ -369,6 +372,10 @@ def test_launch_table_and_overrides(monkeypatch):
         ("channel", {"block_n": 8}, "block_n"),  # below the dot's 16
         ("channel", {"mode": "dot"}, "mode must be one of"),  # no e4m3 body on sm_90
         ("weight_only", {"mode": "dot_swap", "block_n": 16}, "mode must be one of"),
+        ("gated", {"mode": "wgmma", "block_n": 64, "block_k": 128}, "mode must be one of"),
+        ("channel", {"mode": "wgmma", "block_n": 32}, "block_n must be a multiple of 64"),
+        ("block", {"mode": "wgmma", "block_n": 16}, "block_n must be a multiple of 64"),
+        ("channel", {"mode": "wgmma", "block_n": 64, "block_k": 64}, "multiple of 128"),
         ("channel", {"block_k": 48}, "block_k"),
         ("block", {"block_k": 256}, "block_k must be 128"),
         ("block", {"block_n": 256}, "block_n must be <= 128"),
@@ -413,7 +420,8 @@ def test_channel_llama3_shapes_gpu(name, m, mode):
     b, scale_b = llama3_weight(name, "channel")
     a, scale_a = fp8.per_token_fp8_quant_ref(randn((m, k), m).cuda())
     bias = randn((n,), 5).to("cuda", torch.bfloat16)
-    launch = {"mode": mode, "block_n": 4 if mode == "fma" else 32, "block_k": 512}
+    block_n = {"fma": 4, "wgmma": 64}.get(mode, 32)
+    launch = {"mode": mode, "block_n": block_n, "block_k": 512}
     out = skinny.fp8_skinny_gemm(a, b, scale_a, scale_b, torch.bfloat16, bias, **launch)
     ref = fp8.scaled_mm_ref(a, b, scale_a, scale_b, torch.bfloat16, bias)
     assert_matches(out, ref)
@@ -440,7 +448,7 @@ def test_block_llama3_shapes_gpu(name, m, mode):
 @pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.parametrize("split", [2, 3, 8])
 @pytest.mark.parametrize("kind", ["channel", "block"])
-@pytest.mark.parametrize("mode", ["dot_swap", "fma"])
+@pytest.mark.parametrize("mode", ["dot_swap", "wgmma", "fma"])
 def test_split_k_llama3_shapes_gpu(mode, kind, name, m, split):
     """Split launches at the real shapes on the device (K = 4096 in 16 steps of 256, or 32
     groups; K = 14336 in 56 / 112: split 3 leaves the last slice short): right against the
@@ -450,7 +458,7 @@ def test_split_k_llama3_shapes_gpu(mode, kind, name, m, split):
     _n, k = LLAMA3_8B_SHAPES[name]
     b, scale_b = llama3_weight(name, kind)
     x = randn((m, k), m + split).cuda()
-    launch = {"mode": mode, "block_n": 32, "split_k": split}
+    launch = {"mode": mode, "block_n": 64 if mode == "wgmma" else 32, "split_k": split}
     if kind == "channel":
         a, scale_a = fp8.per_token_fp8_quant_ref(x)
         args = (a, b, scale_a, scale_b, torch.bfloat16)

@@ -14,8 +14,11 @@ also have an "fma" body for M <= 4, as the bf16 kernel, whose fastest body it is
 tensor core layouts: each thread multiplies its loaded bytes into a [BLOCK_N, BLOCK_K] float32
 accumulator per activation row, summed over K once at the end); it upcasts e4m3 through
 float16 to float32 (Triton 3.6 on the H200 has no direct e4m3 -> float32 conversion; both steps
-are exact). The "dot" body fails to compile with e4m3 operands there (at its tl.dot). Two
-kinds:
+are exact). The "dot" body fails to compile with e4m3 operands there (at its tl.dot). The
+"wgmma" body is dot_swap without the upcast: with column tiles of 64 weight rows or more, Triton
+multiplies the e4m3 tiles as loaded in Hopper's FP8 warpgroup MMA (QGMMA.64x16x32 in the sm_90
+SASS: 0.03-0.04 warp instructions a weight byte, against dot_swap's 0.06-0.08 and fma's
+0.11-0.16), adding each K step's partial sums in float32. Two kinds:
 
 - "channel" (`fp8_skinny_gemm`): out = (a @ b^T) * scale_a[m or 0] * scale_b[n or 0] (+ bias),
   scales applied once in the epilogue in scaled_mm_ref's order;
@@ -42,13 +45,20 @@ from v1_engine.kernels.triton_gemv import _dot, _silu_mul, _split_arrive, _split
 
 KINDS = ("channel", "block", "weight_only", "gated")
 KIND_MODES = {
-    "channel": ("dot_swap", "fma"),
-    "block": ("dot_swap", "fma"),
+    "channel": ("dot_swap", "wgmma", "fma"),
+    "block": ("dot_swap", "wgmma", "fma"),
     "weight_only": ("fma",),
     "gated": ("fma",),
 }
-"""Bodies of triton_gemv.MODES each FP8 kernel has (see the module docstring); "fma" only for
-M <= triton_gemv.FMA_MAX_M, as in the bf16 kernel."""
+"""Bodies each FP8 kernel has (see the module docstring): triton_gemv.MODES' "dot_swap" and
+"fma" (only for M <= triton_gemv.FMA_MAX_M, as in the bf16 kernel), and "wgmma", FP8's own:
+dot_swap on the e4m3 tiles as loaded (block_n a multiple of WGMMA_ROWS)."""
+WGMMA_ROWS = 64
+"""Weight rows of one warpgroup's FP8 MMA: the "wgmma" body's block_n is a multiple (Triton
+lowers smaller tiles to mma.sync, which has no e4m3 form on sm_90)."""
+WGMMA_PROMOTE_K = 128
+"""K extent the "wgmma" body accumulates in the tensor core before adding to float32 (the
+kernel's literal max_num_imprecise_acc): its block_k is a multiple."""
 DECODE_KINDS = ("weight_only", "gated")
 """The kinds of `_fp8_decode_kernel` (fma body only, never split): see `fp8_weight_only_gemm`
 and `fp8_gated_gemm`."""
@@ -60,14 +70,21 @@ OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32: tl.constexpr):
-    """One K step: b [BLOCK_N, BLOCK_K] @ a [BLOCK_M, BLOCK_K]^T as float32 [BLOCK_N, BLOCK_M],
-    the operands upcast from e4m3 (exact) to float16, or to float32 under the interpreter. The
-    weight streams through once (evict first); the activations are reread by every program."""
+def _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32: tl.constexpr,
+                 NATIVE: tl.constexpr):  # fmt: skip
+    """One K step: b [BLOCK_N, BLOCK_K] @ a [BLOCK_M, BLOCK_K]^T as float32 [BLOCK_N, BLOCK_M].
+    "dot_swap": the operands upcast from e4m3 (exact) to float16 first. NATIVE ("wgmma"): the
+    e4m3 tiles as loaded, which sm_90 multiplies in FP8 warpgroup MMAs (QGMMA) with no
+    conversion; its partial sums are added in float32 every 128 of K (max_num_imprecise_acc:
+    the tensor core's reduced-precision accumulation covers 128 products at most, as DeepSeek-V3
+    promotes them; block_k is a multiple, see WGMMA_PROMOTE_K). float32 under the interpreter. The weight streams through once (evict first); the activations are reread by
+    every program."""
     b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_first")
     a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_last")
     if DOT_F32:
         return _dot(b.to(tl.float32), tl.trans(a.to(tl.float32)), DOT_F32)
+    if NATIVE:
+        return tl.dot(b, tl.trans(a), max_num_imprecise_acc=128)  # WGMMA_PROMOTE_K
     return _dot(b.to(tl.float16), tl.trans(a.to(tl.float16)), DOT_F32)
 
 
@@ -170,12 +187,13 @@ def _fp8_skinny_kernel(
     NUM_STAGES: tl.constexpr,
     SPLIT_K: tl.constexpr,
     FMA: tl.constexpr,
+    NATIVE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Per-tensor/per-channel kind: program (n, s) owns BLOCK_N output columns over the s-th
     k_per_split-wide slice of K (all of K unsplit); scale strides are 0 for a per-tensor scale.
-    The scales (and bias) apply once, to the summed tile. FMA picks the "fma" body (else
-    "dot_swap")."""
+    The scales (and bias) apply once, to the summed tile. FMA picks the "fma" body, NATIVE the
+    "wgmma" one (else "dot_swap")."""
     pdl_wait(PDL)
     tile = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split
@@ -204,7 +222,7 @@ def _fp8_skinny_kernel(
                                                DOT_F32)  # fmt: skip
         else:
             k_mask = offs_k[None, :] < k_end - k
-            acc += _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
+            acc += _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32, NATIVE)
         a_ptrs += BLOCK_K
         a_row += BLOCK_K
         b_ptrs += BLOCK_K
@@ -265,6 +283,7 @@ def _fp8_block_skinny_kernel(
     NUM_STAGES: tl.constexpr,
     SPLIT_K: tl.constexpr,
     FMA: tl.constexpr,
+    NATIVE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Block-scaled kind: BLOCK_K is the scale group and BLOCK_N divides it, so each step's weight
@@ -272,8 +291,9 @@ def _fp8_block_skinny_kernel(
     Program (n, s) walks the s-th k_per_split-wide slice of K (whole groups; all of K unsplit);
     the partial sums are scaled already, so a split only adds them. FMA picks the "fma" body,
     which scales each activation row by its two scales before multiplying it into the row's
-    accumulator (the sums over K then come out scaled), else "dot_swap", which scales each
-    step's partial product."""
+    accumulator (the sums over K then come out scaled), else "dot_swap" ("wgmma" with NATIVE),
+    which scales each step's partial product: one 128-wide group in the tensor core's
+    accumulation precision, as DeepSeek-V3's recipe promotes them."""
     tile = tl.program_id(0)
     pdl_wait(PDL)
     kb_start = tl.program_id(1) * (k_per_split // BLOCK_K)
@@ -306,7 +326,7 @@ def _fp8_block_skinny_kernel(
                                                scale_b, True, BLOCK_M, DOT_F32)  # fmt: skip
         else:
             k_mask = offs_k[None, :] < K - kb * BLOCK_K
-            partial = _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32)
+            partial = _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32, NATIVE)
             scale_a = tl.load(scale_a_ptrs + kb * stride_sak, mask=m_mask, other=0.0)
             acc += partial * scale_a[None, :] * scale_b
         a_ptrs += BLOCK_K
@@ -442,12 +462,25 @@ def resolve_fp8_launch(
     that is unknown or out of range (triton_gemv's rules, plus block_k == 128 and
     block_n <= 128 for the block kind)."""
     config = fp8_launch_config(kind, m, n, k) | launch
-    # A complete config overrides every key of triton_gemv's own default, so this only checks.
-    config = triton_gemv.resolve_launch(m, n, k, config)
+    mode = config["mode"]
+    # A complete config overrides every key of triton_gemv's own default, so this only checks
+    # (the wgmma body under dot_swap's rules: it is dot_swap on e4m3 operands).
+    checked = config | {"mode": "dot_swap"} if mode == "wgmma" else config
+    config = triton_gemv.resolve_launch(m, n, k, checked) | {"mode": mode}
     if config["mode"] not in KIND_MODES[kind]:
         raise ValueError(
             f"launch mode must be one of {KIND_MODES[kind]} for the FP8 {kind} kernel, got "
             f"{config['mode']!r}"
+        )
+    if mode == "wgmma" and config["block_n"] % WGMMA_ROWS:
+        raise ValueError(
+            f"launch block_n must be a multiple of {WGMMA_ROWS} in mode 'wgmma' (one FP8 "
+            f"warpgroup MMA's rows), got {config['block_n']!r}"
+        )
+    if mode == "wgmma" and config["block_k"] % WGMMA_PROMOTE_K:
+        raise ValueError(
+            f"launch block_k must be a multiple of {WGMMA_PROMOTE_K} in mode 'wgmma' (its "
+            f"float32 promotion interval), got {config['block_k']!r}"
         )
     if kind in DECODE_KINDS and config["split_k"] != 1:
         raise ValueError(f"launch split_k must be 1 for the {kind} kind, got {config['split_k']!r}")
@@ -507,6 +540,7 @@ def _constexprs(
         "BLOCK_K": config["block_k"],
         "NUM_STAGES": config["num_stages"],
         "SPLIT_K": config["split_k"],
+        "NATIVE": config["mode"] == "wgmma",
         "num_warps": config["num_warps"],
         "num_stages": config["num_stages"],
     } | launch_options(device)
@@ -618,7 +652,7 @@ def fp8_block_skinny_gemm(
 
 def _decode_constexprs(m: int, config: dict[str, int | str], device: torch.device) -> dict:
     constexprs = _constexprs(m, config, device) | {"HW": not interpreting()}
-    del constexprs["SPLIT_K"]
+    del constexprs["SPLIT_K"], constexprs["NATIVE"]
     return constexprs
 
 
