@@ -78,13 +78,16 @@ def test_weight_only_matches_reference_interpreted(m, dtype, per_channel):
 @interpreter_only
 @pytest.mark.parametrize("m", [1, 3, 4])
 @pytest.mark.parametrize("per_token", [True, False])
-def test_gated_matches_the_quantized_chain_interpreted(m, per_token):
-    # I = 40 gate rows then 40 up rows: the up half starts inside a column tile's stride.
+@pytest.mark.parametrize("mode", skinny.KIND_MODES["gated"])
+def test_gated_matches_the_quantized_chain_interpreted(m, per_token, mode):
+    # I = 40 gate rows then 40 up rows: the up half starts inside a column tile's stride (the
+    # wgmma body's 64-row tile masks 24 of them); K = 88 is one masked step of 32, or of 128.
     i, k = 40, 88
     x = randn((m, k), m)
     a, scale_a = fp8.per_token_fp8_quant_ref(x) if per_token else fp8.scaled_fp8_quant_ref(x)
     w, scale_w = quantized_weight(2 * i, k, seed=5)
-    out = skinny.fp8_gated_gemm(a, w, scale_a, scale_w, torch.bfloat16, mode="fma", **SMALL)
+    launch = SMALL | ({"block_n": 64, "block_k": 128} if mode == "wgmma" else {})
+    out = skinny.fp8_gated_gemm(a, w, scale_a, scale_w, torch.bfloat16, mode=mode, **launch)
     ref = silu_and_mul_ref(fp8.scaled_mm_ref(a, w, scale_a, scale_w, torch.bfloat16))
     assert out.shape == (m, i)
     assert_matches(out, ref, ulps=2.0)
@@ -103,6 +106,8 @@ def test_decode_kind_launch_rules(monkeypatch):
     for kind, m, bad, match in (
         ("weight_only", 8, {}, "'fma' needs M in 1..4"),
         ("gated", 1, {"mode": "dot_swap", "block_n": 32}, "mode must be one of"),
+        ("weight_only", 1, {"mode": "wgmma", "block_n": 64, "block_k": 128}, "mode must be"),
+        ("gated", 1, {"mode": "wgmma", "block_n": 32}, "block_n must be a multiple of 64"),
         ("weight_only", 1, {"split_k": 2}, "split_k must be 1"),
     ):
         with pytest.raises(ValueError, match=match):
@@ -213,7 +218,7 @@ def test_fma_kernels_compile_for_sm90_without_spills(run_compile_probe):
     launches: FP8 warpgroup MMAs on the tiles as loaded, no upcast, half the fma body's
     instructions a byte or fewer."""
     report = run_compile_probe("fp8_decode_probe.py")
-    assert len(report) == 12
+    assert len(report) == 13
     for name, case in report.items():
         assert case["k_loop"] > 0, (name, case)  # the K loop was found in the SASS
         if name.startswith("wgmma_"):  # FP8 warpgroup MMAs on the tiles as loaded
@@ -246,10 +251,12 @@ def test_weight_only_llama3_shapes_gpu(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3, 4])
-def test_gated_llama3_gate_up_gpu(m):
+@pytest.mark.parametrize("mode", skinny.KIND_MODES["gated"])
+def test_gated_llama3_gate_up_gpu(m, mode):
     a, scale_a = fp8.per_token_fp8_quant_ref(randn((m, 4096), m).cuda())
     w, scale_w = quantized_weight(28672, 4096, seed=2, device="cuda")
-    out = skinny.fp8_gated_gemm(a, w, scale_a, scale_w, torch.bfloat16)
+    launch = {"mode": "wgmma", "block_n": 64, "block_k": 256} if mode == "wgmma" else {}
+    out = skinny.fp8_gated_gemm(a, w, scale_a, scale_w, torch.bfloat16, **launch)
     ref = silu_and_mul_ref(fp8.scaled_mm_ref(a, w, scale_a, scale_w, torch.bfloat16))
     assert_matches(out, ref, ulps=2.0)
 

@@ -48,7 +48,7 @@ KIND_MODES = {
     "channel": ("dot_swap", "wgmma", "fma"),
     "block": ("dot_swap", "wgmma", "fma"),
     "weight_only": ("fma",),
-    "gated": ("fma",),
+    "gated": ("fma", "wgmma"),
 }
 """Bodies each FP8 kernel has (see the module docstring): triton_gemv.MODES' "dot_swap" and
 "fma" (only for M <= triton_gemv.FMA_MAX_M, as in the bf16 kernel), and "wgmma", FP8's own:
@@ -60,8 +60,8 @@ WGMMA_PROMOTE_K = 128
 """K extent the "wgmma" body accumulates in the tensor core before adding to float32 (the
 kernel's literal max_num_imprecise_acc): its block_k is a multiple."""
 DECODE_KINDS = ("weight_only", "gated")
-"""The kinds of `_fp8_decode_kernel` (fma body only, never split): see `fp8_weight_only_gemm`
-and `fp8_gated_gemm`."""
+"""The kinds of `_fp8_decode_kernel` (the fma body, the gated kind also wgmma; never split): see
+`fp8_weight_only_gemm` and `fp8_gated_gemm`."""
 SCALE_GROUP = 128
 """K (and N) extent of one block scale; the block kind's K step is exactly one group."""
 
@@ -372,14 +372,16 @@ def _fp8_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    NATIVE: tl.constexpr,
     HW: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """The decode kinds, fma body: program n owns BLOCK_N of the N output columns over all of K.
+    """The decode kinds: program n owns BLOCK_N of the N output columns over all of K.
     A_FP8 False ("weight_only"): out = (a @ b^T) * scale_b (+ bias), a in 16-bit floats.
     A_FP8 and GATED ("gated"): b holds N gate rows then N up rows; gate and up are
     (a @ rows^T) * scale_a * scale_b, each rounded to out's dtype as scaled_mm stores it, and out
-    = silu(gate) * up with kernels/triton_fused.py's roundings."""
+    = silu(gate) * up with kernels/triton_fused.py's roundings. The fma body, or with NATIVE
+    (the gated kind's "wgmma" body) the gate and up tiles each in FP8 warpgroup MMAs."""
     pdl_wait(PDL)
     tile = tl.program_id(0)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -389,26 +391,42 @@ def _fp8_decode_kernel(
     m_mask = offs_m < M
     g_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
     u_ptrs = g_ptrs + N.to(tl.int64) * stride_bn
-    a_row = a_ptr + offs_k  # row 0; rows follow at stride_am (see _fma_rows)
-    g0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    g1, g2, g3 = tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0)
-    u0, u1, u2, u3 = tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0)
-    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k_row = offs_k < K - k
-        w32 = _load_weight_f32(g_ptrs, n_mask, k_row, DOT_F32)
-        g0, g1, g2, g3 = _fma_rows(g0, g1, g2, g3, a_row, stride_am, M, w32, k_row, a_row, 0,
-                                   1.0, False, BLOCK_M, DOT_F32)  # fmt: skip
-        if GATED:
-            w32 = _load_weight_f32(u_ptrs, n_mask, k_row, DOT_F32)
-            u0, u1, u2, u3 = _fma_rows(u0, u1, u2, u3, a_row, stride_am, M, w32, k_row, a_row,
-                                       0, 1.0, False, BLOCK_M, DOT_F32)  # fmt: skip
+    if NATIVE:
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+        gate_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        up_t = tl.zeros_like(gate_t)
+        for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            k_mask = offs_k[None, :] < K - k
+            gate_t += _swapped_dot(a_ptrs, g_ptrs, m_mask, n_mask, k_mask, DOT_F32, True)
+            up_t += _swapped_dot(a_ptrs, u_ptrs, m_mask, n_mask, k_mask, DOT_F32, True)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
-        a_row += BLOCK_K
-        g_ptrs += BLOCK_K
-    pdl_release(PDL)
+        pdl_release(PDL)
+        gate = tl.trans(gate_t)
+        up = tl.trans(up_t)
+    else:
+        a_row = a_ptr + offs_k  # row 0; rows follow at stride_am (see _fma_rows)
+        g0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        g1, g2, g3 = tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0)
+        u0, u1, u2 = tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0)
+        u3 = tl.zeros_like(g0)
+        for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            k_row = offs_k < K - k
+            w32 = _load_weight_f32(g_ptrs, n_mask, k_row, DOT_F32)
+            g0, g1, g2, g3 = _fma_rows(g0, g1, g2, g3, a_row, stride_am, M, w32, k_row, a_row,
+                                       0, 1.0, False, BLOCK_M, DOT_F32)  # fmt: skip
+            if GATED:
+                w32 = _load_weight_f32(u_ptrs, n_mask, k_row, DOT_F32)
+                u0, u1, u2, u3 = _fma_rows(u0, u1, u2, u3, a_row, stride_am, M, w32, k_row,
+                                           a_row, 0, 1.0, False, BLOCK_M, DOT_F32)  # fmt: skip
+                u_ptrs += BLOCK_K
+            a_row += BLOCK_K
+            g_ptrs += BLOCK_K
+        pdl_release(PDL)
+        gate = _fma_result(g0, g1, g2, g3, offs_m, BLOCK_M)
+        up = _fma_result(u0, u1, u2, u3, offs_m, BLOCK_M)
     dtype = out_ptr.dtype.element_ty
-    gate = _fma_result(g0, g1, g2, g3, offs_m, BLOCK_M)
-    up = _fma_result(u0, u1, u2, u3, offs_m, BLOCK_M)
     if A_FP8:
         scale_a = tl.load(scale_a_ptr + offs_m * stride_sa, mask=m_mask, other=0.0)
         gate = gate * scale_a[:, None]
@@ -652,7 +670,7 @@ def fp8_block_skinny_gemm(
 
 def _decode_constexprs(m: int, config: dict[str, int | str], device: torch.device) -> dict:
     constexprs = _constexprs(m, config, device) | {"HW": not interpreting()}
-    del constexprs["SPLIT_K"], constexprs["NATIVE"]
+    del constexprs["SPLIT_K"]
     return constexprs
 
 
