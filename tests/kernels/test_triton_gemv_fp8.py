@@ -372,7 +372,7 @@ def test_launch_table_and_overrides(monkeypatch):
         ("channel", {"block_n": 8}, "block_n"),  # below the dot's 16
         ("channel", {"mode": "dot"}, "mode must be one of"),  # no e4m3 body on sm_90
         ("weight_only", {"mode": "dot_swap", "block_n": 16}, "mode must be one of"),
-        ("gated", {"mode": "wgmma", "block_n": 64, "block_k": 128}, "mode must be one of"),
+        ("weight_only", {"mode": "wgmma", "block_n": 64, "block_k": 128}, "mode must be one of"),
         ("channel", {"mode": "wgmma", "block_n": 32}, "block_n must be a multiple of 64"),
         ("block", {"mode": "wgmma", "block_n": 16}, "block_n must be a multiple of 64"),
         ("channel", {"mode": "wgmma", "block_n": 64, "block_k": 64}, "multiple of 128"),
