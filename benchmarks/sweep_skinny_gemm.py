@@ -120,24 +120,19 @@ def smem_bytes(kind: str, launch: dict, m: int) -> int:
     return launch["num_stages"] * launch["block_k"] * step
 
 
+def launches(space) -> list[dict]:
+    """Launch dicts of (num_stages, block_k, block_n, num_warps, mode) tuples, in order."""
+    keys = ("num_stages", "block_k", "block_n", "num_warps", "mode")
+    return [dict(zip(keys, values, strict=True)) for values in space]
+
+
 def dot_configs(kind: str) -> list[dict]:
     """Tensor-core bodies, most promising first: those whose pipeline buffers fit shared memory
     at the smallest BLOCK_M (`applies` checks each M's own)."""
     space = itertools.product(
         (4, 3, 6), block_ks(kind, fma=False), (16, 32, 64), (4, 8), ("dot_swap", "dot")
     )
-    configs = []
-    for stages, block_k, block_n, warps, mode in space:
-        launch = {
-            "mode": mode,
-            "block_n": block_n,
-            "block_k": block_k,
-            "num_warps": warps,
-            "num_stages": stages,
-        }
-        if smem_bytes(kind, launch, 1) <= SMEM_BYTES:
-            configs.append(launch)
-    return configs
+    return [launch for launch in launches(space) if smem_bytes(kind, launch, 1) <= SMEM_BYTES]
 
 
 def fma_fits(kind: str, launch: dict, m: int) -> bool:
@@ -161,19 +156,8 @@ def wgmma_configs(kind: str) -> list[dict]:
     if "wgmma" not in fp8_skinny.KIND_MODES.get(kind, ()):
         return []
     block_ks = (fp8_skinny.SCALE_GROUP,) if kind == "block" else (256, 128, 512)
-    space = itertools.product((4, 3, 6), block_ks, (64, 128), (4, 8))
-    configs = []
-    for stages, block_k, block_n, warps in space:
-        launch = {
-            "mode": "wgmma",
-            "block_n": block_n,
-            "block_k": block_k,
-            "num_warps": warps,
-            "num_stages": stages,
-        }
-        if smem_bytes(kind, launch, 1) <= SMEM_BYTES:
-            configs.append(launch)
-    return configs
+    space = itertools.product((4, 3, 6), block_ks, (64, 128), (4, 8), ("wgmma",))
+    return [launch for launch in launches(space) if smem_bytes(kind, launch, 1) <= SMEM_BYTES]
 
 
 def fma_configs(kind: str) -> list[dict]:
@@ -185,18 +169,14 @@ def fma_configs(kind: str) -> list[dict]:
     0.11-0.13 warp instructions a weight byte at M = 1, those with 32 (the default) 0.16."""
     if "fma" not in (triton_gemv.MODES if kind == "bf16" else fp8_skinny.KIND_MODES[kind]):
         return []
-    space = itertools.product((4, 3, 6), block_ks(kind, fma=True), fma_block_ns(kind), (4, 8))
-    configs = []
-    for stages, block_k, block_n, warps in space:
-        launch = {
-            "mode": "fma",
-            "block_n": block_n,
-            "block_k": block_k,
-            "num_warps": warps,
-            "num_stages": stages,
-        }
-        if fma_fits(kind, launch, 1) and smem_bytes(kind, launch, 1) <= SMEM_BYTES:
-            configs.append(launch)
+    space = itertools.product(
+        (4, 3, 6), block_ks(kind, fma=True), fma_block_ns(kind), (4, 8), ("fma",)
+    )
+    configs = [
+        launch
+        for launch in launches(space)
+        if fma_fits(kind, launch, 1) and smem_bytes(kind, launch, 1) <= SMEM_BYTES
+    ]
     return sorted(configs, key=lambda c: -c["block_n"] * c["block_k"] // c["num_warps"])
 
 
