@@ -478,7 +478,8 @@ def resolve_fp8_launch(
 ) -> dict[str, int | str]:
     """`fp8_launch_config` with the `launch` overrides applied; raises ValueError naming a key
     that is unknown or out of range (triton_gemv's rules, plus block_k == 128 and
-    block_n <= 128 for the block kind)."""
+    block_n <= 128 for the block kind, and for the wgmma body block_n a multiple of 64 and
+    block_k of 128)."""
     config = fp8_launch_config(kind, m, n, k) | launch
     mode = config["mode"]
     # A complete config overrides every key of triton_gemv's own default, so this only checks
