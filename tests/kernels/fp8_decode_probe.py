@@ -35,7 +35,7 @@ CASES = {  # name: (kind, M, N, K, block_n, block_k); Llama-3-8B shapes
     "gated_gate_up_m1": ("gated", 1, 28672, 4096, 2, 1024),
     "gated_gate_up_m2": ("gated", 2, 28672, 4096, 2, 512),
     # the block kind steps one 128-wide scale group: wider column tiles for 16-byte loads
-    "block_o_proj_m1": ("block", 1, 4096, 4096, 32, 128),
+    "block_o_proj_m1": ("block", 1, 4096, 4096, 64, 128),
     "block_down_m4": ("block", 4, 4096, 14336, 8, 128),
 }
 WGMMA_CASES = {  # the "wgmma" body (FP8 warpgroup MMA on the e4m3 tiles as loaded)
