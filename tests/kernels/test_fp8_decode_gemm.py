@@ -94,9 +94,10 @@ def test_gated_matches_the_quantized_chain_interpreted(m, per_token, mode):
 
 
 def test_decode_kind_launch_rules(monkeypatch):
-    default = skinny.fp8_launch_config("weight_only", 1, 4096, 4096)
+    default = skinny.default_fp8_launch("weight_only", 1, 4096, 4096)
     assert default["mode"] == "fma" and default["split_k"] == 1
-    assert skinny.fp8_launch_config("gated", 1, 28672, 4096)["block_n"] == 2
+    assert skinny.default_fp8_launch("gated", 1, 28672, 4096)["block_n"] == 2
+    assert skinny.fp8_launch_config("gated", 1, 28672, 4096)["block_n"] == 4  # measured entry
     # The K step shrinks with M: the float32 accumulator stays at 32 registers a thread.
     assert [skinny.fp8_launch_config("weight_only", m, 64, 64)["block_k"] for m in (1, 2, 3)] == [
         1024,
@@ -112,7 +113,8 @@ def test_decode_kind_launch_rules(monkeypatch):
     ):
         with pytest.raises(ValueError, match=match):
             skinny.resolve_fp8_launch(kind, m, 4096, 4096, bad)
-    assert not skinny.prefers_fp8_skinny("weight_only", 1, 4096, 4096)  # empty until measured
+    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, "weight_only", {})
+    assert not skinny.prefers_fp8_skinny("weight_only", 1, 4096, 4096)  # no entry: the chain
     # An entry beyond the fma body's rows is never taken (its launch would be refused).
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
     for bucket in (4, 8):

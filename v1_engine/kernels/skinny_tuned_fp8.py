@@ -12,24 +12,28 @@ _SPLIT2 = _BLOCK_S4 | {"split_k": 2}
 _SPLIT4 = _BLOCK_S3 | {"split_k": 4}
 _SPLIT8 = _BLOCK_S3 | {"split_k": 8}
 
+_FMA = {"mode": "fma", "num_warps": 4}
+_FMA_K512 = _FMA | {"block_k": 512, "num_stages": 4}
+_FMA_K1024 = _FMA | {"block_k": 1024, "block_n": 4, "num_stages": 6}
+
 FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | None]] = {
     "channel": {
-        (1, 6144, 4096): None,
+        (1, 6144, 4096): _FMA_K512 | {"block_n": 16},
         (2, 6144, 4096): None,
         (4, 6144, 4096): None,
         (8, 6144, 4096): None,
         (16, 6144, 4096): None,
-        (1, 4096, 4096): None,
+        (1, 4096, 4096): _FMA_K512 | {"block_n": 8},
         (2, 4096, 4096): None,
         (4, 4096, 4096): None,
         (8, 4096, 4096): None,
         (16, 4096, 4096): None,
-        (1, 28672, 4096): None,
+        (1, 28672, 4096): _FMA_K1024,
         (2, 28672, 4096): None,
         (4, 28672, 4096): None,
         (8, 28672, 4096): None,
         (16, 28672, 4096): None,
-        (1, 4096, 14336): None,
+        (1, 4096, 14336): _FMA | {"block_n": 8, "block_k": 1024, "num_stages": 3},
         (2, 4096, 14336): None,
         (4, 4096, 14336): None,
         (8, 4096, 14336): None,
@@ -91,8 +95,13 @@ FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | No
         (16, 8192, 28672): _SPLIT4,
         (64, 8192, 28672): None,
     },
-    "weight_only": {},
-    "gated": {},
+    "weight_only": {
+        (1, 4096, 4096): _FMA_K512 | {"block_n": 8},
+        (1, 4096, 14336): _FMA | {"block_n": 8, "block_k": 1024, "num_stages": 3},
+    },
+    "gated": {
+        (1, 28672, 4096): _FMA_K1024,
+    },
 }
 """Measured launch configs per kind, keyed by (M bucket, N, K) as triton_gemv.TUNED_LAUNCH; None
 marks a shape where the CUTLASS kernel measured as fast or faster: the ops run the Triton kernel
@@ -113,6 +122,13 @@ picked the same launches as M = 1 and 16 on every shape swept (all but 8B gate_u
 its entries). Per-channel CUTLASS still beat every split launch at M 1..64 (best 0.84-0.94x on
 8B; 70B qkv 1.02-1.05x, too close to take).
 
-The "fma" body of the channel kind and the two decode kinds ("weight_only": bf16 activations
-times the e4m3 weight; "gated": gate_up with SiLU-and-mul in the epilogue) are not measured
-yet (written 2026-12-05 without a device): no entry takes them, so the ops run as before."""
+M = 1 entries of the channel kind and of the two decode kinds ("weight_only": bf16 activations
+times the e4m3 weight; "gated": gate_up with SiLU-and-mul in the epilogue): the "fma" body, from
+`--fp8 channel --modes fma,wgmma --split-k 2,4 --m 1`, `--fp8 gated --m 1` and `--fp8
+weight_only --m 1` on an H100 (2026-12-05 09:55 UTC, RESULTS.md "FP8 batch-1 decode measured on
+an H100"; no H200 was lent that session): 1.03-1.10x CUTLASS on every Llama-3-8B shape (qkv 11.5
+vs 12.5 us, o_proj 8.9 vs 9.4, gate_up 41.1 vs 42.2, down 22.7 vs 24.1; gated gate_up 41.3 vs
+CUTLASS + SiLU-quant 45.4; weight_only down 22.8 vs 24.1), the wgmma body nowhere first. In
+the engine (same call) FP8 batch-1 decode went 3.451 -> 3.377 ms with the channel entries, 3.287
+with the fp8_gated_mlp pass on top. Re-sweep on the H200 when one is lent. M 2..64 are not
+swept for these bodies (no entry: CUTLASS, or the block kind's dot_swap)."""
