@@ -142,6 +142,14 @@ def _fma_rows(acc0, acc1, acc2, acc3, a_row, stride_am, M, w32, k_row, scale_ptr
 
 
 @triton.jit
+def _fma_accumulators(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fma body's four per-row [BLOCK_N, BLOCK_K] float32 accumulators, zeroed (rows past
+    BLOCK_M are never touched)."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    return acc, tl.zeros_like(acc), tl.zeros_like(acc), tl.zeros_like(acc)
+
+
+@triton.jit
 def _fma_result(acc0, acc1, acc2, acc3, offs_m, BLOCK_M: tl.constexpr):
     """The [BLOCK_M, BLOCK_N] tile of the per-row accumulators, each summed over K."""
     rows = offs_m[:, None]
@@ -207,10 +215,7 @@ def _fp8_skinny_kernel(
     b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + (k_start + offs_k)[None, :]
     a_row = a_ptr + k_start + offs_k  # the fma body's row 0 (rows follow at stride_am)
     if FMA:
-        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc1 = tl.zeros_like(acc0)
-        acc2 = tl.zeros_like(acc0)
-        acc3 = tl.zeros_like(acc0)
+        acc0, acc1, acc2, acc3 = _fma_accumulators(BLOCK_N, BLOCK_K)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
@@ -310,10 +315,7 @@ def _fp8_block_skinny_kernel(
     scale_a_ptrs = scale_a_ptr + offs_m * stride_sam
     scale_b_ptr += (tile * BLOCK_N // BLOCK_K) * stride_sbn
     if FMA:
-        acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc1 = tl.zeros_like(acc0)
-        acc2 = tl.zeros_like(acc0)
-        acc3 = tl.zeros_like(acc0)
+        acc0, acc1, acc2, acc3 = _fma_accumulators(BLOCK_N, BLOCK_K)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for kb in tl.range(kb_start, kb_end, num_stages=NUM_STAGES):
@@ -407,10 +409,8 @@ def _fp8_decode_kernel(
         up = tl.trans(up_t)
     else:
         a_row = a_ptr + offs_k  # row 0; rows follow at stride_am (see _fma_rows)
-        g0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        g1, g2, g3 = tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0)
-        u0, u1, u2 = tl.zeros_like(g0), tl.zeros_like(g0), tl.zeros_like(g0)
-        u3 = tl.zeros_like(g0)
+        g0, g1, g2, g3 = _fma_accumulators(BLOCK_N, BLOCK_K)
+        u0, u1, u2, u3 = _fma_accumulators(BLOCK_N, BLOCK_K)
         for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k_row = offs_k < K - k
             w32 = _load_weight_f32(g_ptrs, n_mask, k_row, DOT_F32)
