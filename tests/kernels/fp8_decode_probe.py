@@ -10,13 +10,13 @@ pipeline_probe.py)."""
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -128,19 +128,18 @@ def compile_case(kind: str, m: int, n: int, k: int, launch: dict) -> dict:
 
 
 def rank(kind: str, m: int, top: int) -> list[dict]:
-    """Every fma launch of `kind` at M whose float32 accumulators fit 64 registers a thread
-    (sweep_skinny_gemm's rule), by issue_per_byte, best first: what the sweep should time
-    first."""
-    block_ks = (fp8_skinny.SCALE_GROUP,) if kind == "block" else (256, 512, 1024, 2048)
-    block_ns = (4, 8, 16, 32, 64) if kind == "block" else (2, 4, 8, 16, 32)
+    """The fma launches sweep_skinny_gemm.py times for `kind` at M (its fma_configs and
+    fma_fits), one build per tile and warp count, by issue_per_byte, best first."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import sweep_skinny_gemm as sweep
+
+    tiles = {(c["block_n"], c["block_k"], c["num_warps"]) for c in sweep.fma_configs(kind)}
     rows = []
-    for block_k, block_n, warps in itertools.product(block_ks, block_ns, (4, 8)):
-        values = m * block_n * block_k * (2 if kind == "gated" else 1)
-        if values > 64 * 32 * warps:
-            continue
+    for block_n, block_k, warps in sorted(tiles):
         launch = {"mode": "fma", "block_n": block_n, "block_k": block_k, "num_warps": warps,
                   "num_stages": 4}  # fmt: skip
-        rows.append(launch | compile_case(kind, m, 8192, 4096, launch))
+        if sweep.fma_fits(kind, launch, m):
+            rows.append(launch | compile_case(kind, m, 8192, 4096, launch))
     return sorted(rows, key=lambda row: row["issue_per_byte"])[:top]
 
 
