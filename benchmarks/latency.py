@@ -51,6 +51,21 @@ def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float
     return elapsed
 
 
+def compilation_config(
+    level: int, fusion_passes: str | None, add_fusion_passes: str | None
+) -> int | dict:
+    """The engine's `compilation_config` from the `--fusion-passes` (instead of the default set)
+    and `--add-fusion-passes` (on top of it) options: the bare level where neither is given."""
+    if fusion_passes is None and not add_fusion_passes:
+        return level
+    if fusion_passes is not None:
+        passes = [p for p in fusion_passes.split(",") if p]
+    else:
+        passes = CompilationConfig().effective_fusion_passes("cuda")
+    passes += [p for p in (add_fusion_passes or "").split(",") if p and p not in passes]
+    return {"level": level, "fusion_passes": passes}
+
+
 def decode_ms_per_step(
     llm: LLM, batch: int, input_len: int, steps: int, vocab: int, repeats: int
 ) -> float:
@@ -138,15 +153,11 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     prefill_lens = [int(n) for n in args.prefill_lens.split(",") if n]
 
-    compilation: int | dict = args.compilation_level
-    if args.fusion_passes is not None or args.add_fusion_passes:
-        if args.fusion_passes is not None:
-            passes = [p for p in args.fusion_passes.split(",") if p]
-        else:
-            passes = CompilationConfig().effective_fusion_passes("cuda")
-        passes += [p for p in (args.add_fusion_passes or "").split(",") if p and p not in passes]
-        args.fusion_passes = ",".join(passes)
-        compilation = {"level": args.compilation_level, "fusion_passes": passes}
+    compilation = compilation_config(
+        args.compilation_level, args.fusion_passes, args.add_fusion_passes
+    )
+    if isinstance(compilation, dict):
+        args.fusion_passes = ",".join(compilation["fusion_passes"])
     shape = ModelShape.from_config(args.model)
     longest = max(prefill_lens + [args.input_len + args.decode_steps + 1]) + 128
     path, note = model_dir(args.model, min_positions=longest)

@@ -25,8 +25,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_utils import ModelShape, benchmark_max_model_len, model_dir
-from latency import decode_ms_per_step, random_prompts, timed_generate
+from bench_utils import ModelShape, apply_gemm_tables, benchmark_max_model_len, model_dir
+from latency import compilation_config, decode_ms_per_step, random_prompts, timed_generate
 
 from v1_engine import LLM
 
@@ -133,9 +133,19 @@ def main() -> None:
     parser.add_argument(
         "--trace", action="store_true", help="also write a Chrome trace per batch (tens of MB)"
     )
+    parser.add_argument(
+        "--add-fusion-passes",
+        default=None,
+        help="comma-separated fusion passes on top of the default set (as latency.py)",
+    )
+    parser.add_argument(
+        "--gemm-tables", default=None, help="a GEMM dispatch entry file to add (as latency.py)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py needs a CUDA GPU")
+    if args.gemm_tables:
+        print(apply_gemm_tables(args.gemm_tables), flush=True)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
@@ -154,7 +164,7 @@ def main() -> None:
         max_num_batched_tokens=max(max_len, 8192, max(batch_sizes) * args.input_len),
         max_num_seqs=max(batch_sizes),
         enable_prefix_caching=False,
-        compilation_config=args.compilation_level,
+        compilation_config=compilation_config(args.compilation_level, None, args.add_fusion_passes),
     )
     for batch in batch_sizes:
         profile_batch(llm, batch, args, shape.vocab, out_dir)
