@@ -34,6 +34,8 @@ and V1ENGINE_SKINNY_GEMM=0 (triton_gemv.SKINNY_GEMM_ENABLED) keeps them on CUTLA
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -64,6 +66,11 @@ DECODE_KINDS = ("weight_only", "gated")
 `fp8_weight_only_gemm` and `fp8_gated_gemm`."""
 SCALE_GROUP = 128
 """K (and N) extent of one block scale; the block kind's K step is exactly one group."""
+
+EARLY_WEIGHT = os.environ.get("V1ENGINE_FP8_EARLY_WEIGHT", "0") == "1"
+"""V1ENGINE_FP8_EARLY_WEIGHT=1: the fma bodies of the channel and decode kinds load their first
+weight tile before the PDL wait (kernels/pdl.py's exception for what no kernel of a step writes),
+so a program launched early has it in flight while the kernel before it finishes."""
 
 FP8_DTYPE = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -103,6 +110,15 @@ def _load_weight_f32(b_ptrs, n_mask, k_row, DOT_F32: tl.constexpr):
     b = tl.load(b_ptrs, mask=n_mask[:, None] & k_row[None, :], other=0.0,
                 eviction_policy="evict_first")  # fmt: skip
     return _to_f32(b, DOT_F32)
+
+
+@triton.jit
+def _early_weight(b_ptrs, n_mask, k_row):
+    """The fma body's first [BLOCK_N, BLOCK_K] weight tile as stored (e4m3), loaded before the
+    PDL wait (EARLY_WEIGHT): no kernel of a step writes a weight, so while the program waits for
+    the kernel before it, the tile is already on its way from HBM."""
+    return tl.load(b_ptrs, mask=n_mask[:, None] & k_row[None, :], other=0.0,
+                   eviction_policy="evict_first")  # fmt: skip
 
 
 @triton.jit
@@ -196,13 +212,14 @@ def _fp8_skinny_kernel(
     SPLIT_K: tl.constexpr,
     FMA: tl.constexpr,
     NATIVE: tl.constexpr,
+    EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Per-tensor/per-channel kind: program (n, s) owns BLOCK_N output columns over the s-th
     k_per_split-wide slice of K (all of K unsplit); scale strides are 0 for a per-tensor scale.
     The scales (and bias) apply once, to the summed tile. FMA picks the "fma" body, NATIVE the
-    "wgmma" one (else "dot_swap")."""
-    pdl_wait(PDL)
+    "wgmma" one (else "dot_swap"); EARLY (fma) loads the first weight tile before the PDL wait
+    (EARLY_WEIGHT)."""
     tile = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
@@ -214,11 +231,23 @@ def _fp8_skinny_kernel(
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + (k_start + offs_k)[None, :]
     b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + (k_start + offs_k)[None, :]
     a_row = a_ptr + k_start + offs_k  # the fma body's row 0 (rows follow at stride_am)
+    loop_start = k_start
+    if FMA and EARLY:
+        k_row = offs_k < k_end - k_start
+        w_early = _early_weight(b_ptrs, n_mask, k_row)
+    pdl_wait(PDL)
     if FMA:
         acc0, acc1, acc2, acc3 = _fma_accumulators(BLOCK_N, BLOCK_K)
+        if EARLY:
+            acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, a_row, stride_am, M,
+                                               _to_f32(w_early, DOT_F32), k_row, a_row, 0, 1.0,
+                                               False, BLOCK_M, DOT_F32)  # fmt: skip
+            a_row += BLOCK_K
+            b_ptrs += BLOCK_K
+            loop_start += BLOCK_K
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+    for k in tl.range(loop_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         if FMA:
             k_row = offs_k < k_end - k
             w32 = _load_weight_f32(b_ptrs, n_mask, k_row, DOT_F32)
@@ -376,6 +405,7 @@ def _fp8_decode_kernel(
     NUM_STAGES: tl.constexpr,
     NATIVE: tl.constexpr,
     HW: tl.constexpr,
+    EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """The decode kinds: program n owns BLOCK_N of the N output columns over all of K.
@@ -383,8 +413,8 @@ def _fp8_decode_kernel(
     A_FP8 and GATED ("gated"): b holds N gate rows then N up rows; gate and up are
     (a @ rows^T) * scale_a * scale_b, each rounded to out's dtype as scaled_mm stores it, and out
     = silu(gate) * up with kernels/triton_fused.py's roundings. The fma body, or with NATIVE
-    (the gated kind's "wgmma" body) the gate and up tiles each in FP8 warpgroup MMAs."""
-    pdl_wait(PDL)
+    (the gated kind's "wgmma" body) the gate and up tiles each in FP8 warpgroup MMAs; EARLY
+    (fma) loads the first gate (and up) weight tile before the PDL wait (EARLY_WEIGHT)."""
     tile = tl.program_id(0)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -393,6 +423,12 @@ def _fp8_decode_kernel(
     m_mask = offs_m < M
     g_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
     u_ptrs = g_ptrs + N.to(tl.int64) * stride_bn
+    if not NATIVE and EARLY:
+        k_row = offs_k < K
+        g_early = _early_weight(g_ptrs, n_mask, k_row)
+        if GATED:
+            u_early = _early_weight(u_ptrs, n_mask, k_row)
+    pdl_wait(PDL)
     if NATIVE:
         a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
         gate_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -411,7 +447,20 @@ def _fp8_decode_kernel(
         a_row = a_ptr + offs_k  # row 0; rows follow at stride_am (see _fma_rows)
         g0, g1, g2, g3 = _fma_accumulators(BLOCK_N, BLOCK_K)
         u0, u1, u2, u3 = _fma_accumulators(BLOCK_N, BLOCK_K)
-        for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        loop_start = 0
+        if EARLY:
+            g0, g1, g2, g3 = _fma_rows(g0, g1, g2, g3, a_row, stride_am, M,
+                                       _to_f32(g_early, DOT_F32), k_row, a_row, 0, 1.0, False,
+                                       BLOCK_M, DOT_F32)  # fmt: skip
+            if GATED:
+                u0, u1, u2, u3 = _fma_rows(u0, u1, u2, u3, a_row, stride_am, M,
+                                           _to_f32(u_early, DOT_F32), k_row, a_row, 0, 1.0,
+                                           False, BLOCK_M, DOT_F32)  # fmt: skip
+                u_ptrs += BLOCK_K
+            a_row += BLOCK_K
+            g_ptrs += BLOCK_K
+            loop_start = BLOCK_K
+        for k in tl.range(loop_start, K, BLOCK_K, num_stages=NUM_STAGES):
             k_row = offs_k < K - k
             w32 = _load_weight_f32(g_ptrs, n_mask, k_row, DOT_F32)
             g0, g1, g2, g3 = _fma_rows(g0, g1, g2, g3, a_row, stride_am, M, w32, k_row, a_row,
@@ -617,6 +666,7 @@ def fp8_skinny_gemm(
         _vector_stride(scale_b),
         HAS_BIAS=bias is not None,
         FMA=config["mode"] == "fma",
+        EARLY=EARLY_WEIGHT,
         **_constexprs(m, config, a.device),
     )
     return out
@@ -707,6 +757,7 @@ def _launch_decode(
         A_FP8=gated,
         GATED=gated,
         HAS_BIAS=bias is not None,
+        EARLY=EARLY_WEIGHT,
         **_decode_constexprs(m, config, a.device),
     )
     return out
