@@ -15,7 +15,7 @@ from test_triton_gemv_fp8 import Recorder
 
 from compile.passes import fp8_linear_ops
 from compile.passes.fused_ops import silu_and_mul_ref
-from v1_engine.kernels import fp8
+from v1_engine.kernels import fp8, pdl
 
 _CUDA = torch.cuda.is_available()
 triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
@@ -94,11 +94,11 @@ def test_gated_matches_the_quantized_chain_interpreted(m, per_token, mode):
 
 
 def early_and_late(monkeypatch, launch) -> tuple[torch.Tensor, torch.Tensor]:
-    """`launch()` with the first weight tile loaded before the PDL wait (EARLY_WEIGHT) and
+    """`launch()` with the first weight tile loaded before the PDL wait (pdl.EARLY_WEIGHT) and
     without."""
     results = []
     for early in (True, False):
-        monkeypatch.setattr(skinny, "EARLY_WEIGHT", early)
+        monkeypatch.setattr(pdl, "EARLY_WEIGHT", early)
         results.append(launch())
     return results[0], results[1]
 
@@ -107,7 +107,7 @@ def early_and_late(monkeypatch, launch) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("kind", ["channel", "channel_split", "weight_only", "gated"])
 @pytest.mark.parametrize("k", [88, 24])
 def test_early_weight_tile_is_the_first_k_step_interpreted(kind, k, monkeypatch):
-    """EARLY_WEIGHT peels the fma body's first K step off its loop (that tile loaded before the
+    """pdl.EARLY_WEIGHT peels the fma body's first K step off its loop (that tile loaded before the
     wait): the same products added in the same order, so bit-identical to the loop, and right.
     K = 88: a full first step of 32, then two (the last masked); K = 24: only the masked first
     step, the loop empty. "channel_split": split in 2, each slice peels its own first step
@@ -314,7 +314,7 @@ def test_gated_llama3_gate_up_gpu(m, mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["channel", "weight_only", "gated"])
 def test_early_weight_tile_llama3_shapes_gpu(kind, monkeypatch):
-    """EARLY_WEIGHT on the Llama-3-8B M = 1 shapes with their fma entries' tiles: bit-identical
+    """pdl.EARLY_WEIGHT on the Llama-3-8B M = 1 shapes with their fma entries' tiles: bit-identical
     to the loop without it (the same sums in the same order), which matches the reference."""
     k = 14336 if kind == "weight_only" else 4096
     n = 28672 if kind == "gated" else 4096

@@ -34,13 +34,11 @@ and V1ENGINE_SKINNY_GEMM=0 (triton_gemv.SKINNY_GEMM_ENABLED) keeps them on CUTLA
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from v1_engine.kernels import interpreting, triton_gemv
+from v1_engine.kernels import interpreting, pdl, triton_gemv
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.skinny_tuned_fp8 import FP8_TUNED_LAUNCH
 from v1_engine.kernels.triton_gemv import _dot, _silu_mul, _split_arrive, _split_sum, m_bucket
@@ -66,11 +64,6 @@ DECODE_KINDS = ("weight_only", "gated")
 `fp8_weight_only_gemm` and `fp8_gated_gemm`."""
 SCALE_GROUP = 128
 """K (and N) extent of one block scale; the block kind's K step is exactly one group."""
-
-EARLY_WEIGHT = os.environ.get("V1ENGINE_FP8_EARLY_WEIGHT", "0") == "1"
-"""V1ENGINE_FP8_EARLY_WEIGHT=1: the fma bodies of the channel and decode kinds load their first
-weight tile before the PDL wait (kernels/pdl.py's exception for what no kernel of a step writes),
-so a program launched early has it in flight while the kernel before it finishes."""
 
 FP8_DTYPE = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -115,7 +108,7 @@ def _load_weight_f32(b_ptrs, n_mask, k_row, DOT_F32: tl.constexpr):
 @triton.jit
 def _early_weight(b_ptrs, n_mask, k_row):
     """The fma body's first [BLOCK_N, BLOCK_K] weight tile as stored (e4m3), loaded before the
-    PDL wait (EARLY_WEIGHT): no kernel of a step writes a weight, so while the program waits for
+    PDL wait (pdl.EARLY_WEIGHT): no kernel of a step writes a weight, so while the program waits for
     the kernel before it, the tile is already on its way from HBM."""
     return tl.load(b_ptrs, mask=n_mask[:, None] & k_row[None, :], other=0.0,
                    eviction_policy="evict_first")  # fmt: skip
@@ -219,7 +212,7 @@ def _fp8_skinny_kernel(
     k_per_split-wide slice of K (all of K unsplit); scale strides are 0 for a per-tensor scale.
     The scales (and bias) apply once, to the summed tile. FMA picks the "fma" body, NATIVE the
     "wgmma" one (else "dot_swap"); EARLY (fma) loads the first weight tile before the PDL wait
-    (EARLY_WEIGHT)."""
+    (pdl.EARLY_WEIGHT)."""
     tile = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
@@ -414,7 +407,7 @@ def _fp8_decode_kernel(
     (a @ rows^T) * scale_a * scale_b, each rounded to out's dtype as scaled_mm stores it, and out
     = silu(gate) * up with kernels/triton_fused.py's roundings. The fma body, or with NATIVE
     (the gated kind's "wgmma" body) the gate and up tiles each in FP8 warpgroup MMAs; EARLY
-    (fma) loads the first gate (and up) weight tile before the PDL wait (EARLY_WEIGHT)."""
+    (fma) loads the first gate (and up) weight tile before the PDL wait (pdl.EARLY_WEIGHT)."""
     tile = tl.program_id(0)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -666,7 +659,7 @@ def fp8_skinny_gemm(
         _vector_stride(scale_b),
         HAS_BIAS=bias is not None,
         FMA=config["mode"] == "fma",
-        EARLY=EARLY_WEIGHT,
+        EARLY=pdl.EARLY_WEIGHT,
         **_constexprs(m, config, a.device),
     )
     return out
@@ -757,7 +750,7 @@ def _launch_decode(
         A_FP8=gated,
         GATED=gated,
         HAS_BIAS=bias is not None,
-        EARLY=EARLY_WEIGHT,
+        EARLY=pdl.EARLY_WEIGHT,
         **_decode_constexprs(m, config, a.device),
     )
     return out
