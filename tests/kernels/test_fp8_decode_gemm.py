@@ -9,6 +9,8 @@ float32 references by summation order and one rounding to the 16-bit output."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from test_triton_gemv_fp8 import Recorder
@@ -378,3 +380,29 @@ def test_decode_ops_replay_in_a_cuda_graph_gpu(monkeypatch):
         monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
         scale = quantized.float().abs().amax().item()
         assert (eager.float() - quantized.float()).abs().amax().item() < 0.1 * scale
+
+
+@pytest.mark.parametrize(
+    ("kind", "mode"),
+    [("channel", "fma"), ("channel", "dot_swap"), ("block", "fma"), ("weight_only", "fma"),
+     ("gated", "fma"), ("gated", "wgmma")],
+)  # fmt: skip
+def test_precompile_passes_every_constexpr_of_its_kernel(kind, mode, monkeypatch):
+    """`precompile_fp8` (the sweeps' parallel compiles) warms up the kernel with exactly the
+    compile-time arguments the launch passes: each kernel's constexpr parameters, no other."""
+    kernels = {"channel": skinny._fp8_skinny_kernel, "block": skinny._fp8_block_skinny_kernel,
+               "weight_only": skinny._fp8_decode_kernel, "gated": skinny._fp8_decode_kernel}  # fmt: skip
+    kernel = kernels[kind]
+    seen = {}
+    monkeypatch.setattr(kernel, "warmup", lambda *args, grid, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(skinny, "launch_options", lambda device: {"PDL": False})
+    n, k = (256, 512) if kind == "gated" else (128, 512)
+    block_n = {"wgmma": 64, "dot_swap": 16}.get(mode, 8)
+    launch = {"mode": mode, "block_n": block_n, "block_k": 128}
+    skinny.precompile_fp8(kind, torch.bfloat16, 1, n, k, **launch)
+    signature = inspect.signature(getattr(kernel, "fn", kernel))  # interpreted or jitted
+    constexprs = {
+        name for name, p in signature.parameters.items() if "constexpr" in str(p.annotation)
+    }
+    launch_options = {"num_warps", "num_stages"}
+    assert set(seen) - launch_options == constexprs

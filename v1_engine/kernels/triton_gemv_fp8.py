@@ -108,8 +108,8 @@ def _load_weight_f32(b_ptrs, n_mask, k_row, DOT_F32: tl.constexpr):
 @triton.jit
 def _early_weight(b_ptrs, n_mask, k_row):
     """The fma body's first [BLOCK_N, BLOCK_K] weight tile as stored (e4m3), loaded before the
-    PDL wait (pdl.EARLY_WEIGHT): no kernel of a step writes a weight, so while the program waits for
-    the kernel before it, the tile is already on its way from HBM."""
+    PDL wait (pdl.EARLY_WEIGHT): no kernel of a step writes a weight, so while the program
+    waits for the kernel before it, the tile is already on its way from HBM."""
     return tl.load(b_ptrs, mask=n_mask[:, None] & k_row[None, :], other=0.0,
                    eviction_policy="evict_first")  # fmt: skip
 
@@ -593,7 +593,8 @@ def _vector_stride(scale: torch.Tensor) -> int:
 def _constexprs(
     m: int, config: dict[str, int | str], device: torch.device
 ) -> dict[str, int | bool]:
-    """Compile-time arguments and launch options shared by both kernels."""
+    """Compile-time arguments and launch options of the channel kernel (the others': see
+    `_block_constexprs`, `_decode_constexprs`)."""
     return {
         "DOT_F32": interpreting(),
         "BLOCK_M": triton_gemv.block_rows(str(config["mode"]), m),
@@ -602,6 +603,7 @@ def _constexprs(
         "NUM_STAGES": config["num_stages"],
         "SPLIT_K": config["split_k"],
         "NATIVE": config["mode"] == "wgmma",
+        "EARLY": pdl.EARLY_WEIGHT,
         "num_warps": config["num_warps"],
         "num_stages": config["num_stages"],
     } | launch_options(device)
@@ -659,7 +661,6 @@ def fp8_skinny_gemm(
         _vector_stride(scale_b),
         HAS_BIAS=bias is not None,
         FMA=config["mode"] == "fma",
-        EARLY=pdl.EARLY_WEIGHT,
         **_constexprs(m, config, a.device),
     )
     return out
@@ -707,9 +708,15 @@ def fp8_block_skinny_gemm(
         *scale_a.stride(),
         *scale_b.stride(),
         FMA=config["mode"] == "fma",
-        **_constexprs(m, config, a.device),
+        **_block_constexprs(m, config, a.device),
     )
     return out
+
+
+def _block_constexprs(m: int, config: dict[str, int | str], device: torch.device) -> dict:
+    constexprs = _constexprs(m, config, device)
+    del constexprs["EARLY"]  # the block kind's fma body scales each step's row: no early tile
+    return constexprs
 
 
 def _decode_constexprs(m: int, config: dict[str, int | str], device: torch.device) -> dict:
@@ -750,7 +757,6 @@ def _launch_decode(
         A_FP8=gated,
         GATED=gated,
         HAS_BIAS=bias is not None,
-        EARLY=pdl.EARLY_WEIGHT,
         **_decode_constexprs(m, config, a.device),
     )
     return out
@@ -824,7 +830,9 @@ def precompile_fp8(
             *args, grid=(1,), A_FP8=gated, GATED=gated, HAS_BIAS=False, **constexprs
         )
         return
-    constexprs = _constexprs(m, config, torch.device("cuda"))
+    constexprs = (_constexprs if kind == "channel" else _block_constexprs)(
+        m, config, torch.device("cuda")
+    )
     split = config["split_k"] > 1
     workspace = (fp32 if split else out_dtype, torch.int32 if split else out_dtype)
     sizes = (m, n, k, triton_gemv.k_per_split(k, config), k, k, n)
