@@ -22,14 +22,10 @@ def run_compile_probe() -> Callable[[str], dict]:
     """Runs one of this folder's sm_90 compile probes (pdl_ptx_probe.py, pipeline_probe.py) in a
     fresh process, where Triton's interpreter is off, and returns the JSON it prints."""
 
-    def run(script: str, *args: str) -> dict:
+    def run(script: str) -> dict:
         path = Path(__file__).with_name(script)
         done = subprocess.run(
-            [sys.executable, str(path), *args],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
+            [sys.executable, str(path)], capture_output=True, text=True, timeout=600, check=False
         )
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout)

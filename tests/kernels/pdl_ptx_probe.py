@@ -169,32 +169,14 @@ def _launch_all() -> None:
     )
 
 
-def _launch_early() -> None:
-    """The skinny GEMMs whose first weight tile pdl.EARLY_WEIGHT loads before the wait (the FP8
-    kernels' fma bodies)."""
-    bf16 = torch.bfloat16
-    x = torch.randn(1, 256, dtype=bf16)
-    w = torch.randn(128, 256, dtype=bf16)
-    triton_gemv.skinny_gemm(x, w)
-    a8, b8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
-    fma = {"mode": "fma", "block_n": 8, "block_k": 128}
-    triton_gemv_fp8.fp8_skinny_gemm(a8, b8, torch.ones(1, 1), torch.ones(128, 1), bf16, **fma)
-    triton_gemv_fp8.fp8_gated_gemm(a8, b8, torch.ones(1, 1), torch.ones(128, 1), bf16, **fma)
-
-
 def main() -> None:
-    """`--early`: the skinny GEMMs with pdl.EARLY_WEIGHT on, instead of every PDL kernel."""
     kernel_modules = [module for module in vars(kernels).values() if isinstance(module, ModuleType)]
     for module in kernel_modules:
         for value in vars(module).values():
             if isinstance(value, triton.JITFunction) and value.fn.__module__ == module.__name__:
                 value.run = _recorder(value)
     pdl.use_pdl = lambda device: True
-    if "--early" in sys.argv[1:]:
-        pdl.EARLY_WEIGHT = True
-        _launch_early()
-    else:
-        _launch_all()
+    _launch_all()
     target = GPUTarget("cuda", 90, 32)
     report = {}
     for name, (kernel, args, kwargs) in sorted(recorded.items()):

@@ -115,29 +115,6 @@ def test_split_k_matches_reference_and_resets_its_semaphores_interpreted(mode, m
     assert triton_gemv.k_per_split(k, launch | {"split_k": split}) == (128 if split == 2 else 96)
 
 
-@interpreter_only
-@pytest.mark.parametrize(("mode", "m"), mode_and_m(1, 3, 24))
-@pytest.mark.parametrize(("k", "split"), [(80, 1), (80, 2), (24, 1)])
-def test_early_weight_tile_is_the_first_k_step_interpreted(mode, m, k, split, monkeypatch):
-    """pdl.EARLY_WEIGHT peels the first K step off the loop (its weight tile loaded before the
-    PDL wait): the same products in the same order, so bit-identical to the loop, and right.
-    K = 80: 3 steps of 32 (each of the 2 slices peels its own first); K = 24: only the masked
-    first step, the loop empty."""
-    from v1_engine.kernels import pdl
-
-    n = 40
-    x = strided_rows(m, k, torch.float32, 8)
-    w, bias = values((n, k), torch.float32, 9), values((n,), torch.float32, 10)
-    block_n = 8 if mode == "fma" else 16
-    launch = {"mode": mode, "block_n": block_n, "block_k": 32, "num_warps": 4, "num_stages": 2}
-    outs = []
-    for early in (True, False):
-        monkeypatch.setattr(pdl, "EARLY_WEIGHT", early)
-        outs.append(triton_gemv.skinny_gemm(x, w, bias, split_k=split, **launch))
-    assert torch.equal(outs[0], outs[1])
-    assert_matches(outs[0], reference(x, w, bias), k)
-
-
 def test_every_table_entry_is_a_valid_launch():
     """Each measured entry of TUNED_LAUNCH (kernels/skinny_tuned.py) resolves at its shape: a
     known body, tiles the body takes, a split that leaves no slice of K empty."""
@@ -371,24 +348,6 @@ def test_split_k_on_device_gpu(mode, m, split):
     for _ in range(3):
         assert torch.equal(triton_gemv.skinny_gemm(x, w, split_k=split, **launch), out)
     assert not semaphores._SEMAPHORES[x.device].any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(LLAMA3_8B_SHAPES))
-@pytest.mark.parametrize("m", [1, 64])
-def test_early_weight_tile_on_device_gpu(name, m, monkeypatch):
-    """pdl.EARLY_WEIGHT with each shape's table launch: bit-identical to the loop without it."""
-    from v1_engine.kernels import pdl
-
-    n, k = LLAMA3_8B_SHAPES[name]
-    x = values((m, k), torch.bfloat16, 11, "cuda")
-    w = (values((n, k), torch.bfloat16, 12) * 0.02).cuda()
-    outs = []
-    for early in (True, False):
-        monkeypatch.setattr(pdl, "EARLY_WEIGHT", early)
-        outs.append(triton_gemv.skinny_gemm(x, w))
-    assert torch.equal(outs[0], outs[1])
-    assert_matches(outs[0], reference(x, w, None), k)
 
 
 @pytest.mark.gpu

@@ -14,8 +14,7 @@ The contract every kernel here follows:
   transitive along a chain of PDL kernels. Two exceptions, loads of what no kernel of the step
   writes: paged attention loads the step's paging metadata (written before the forward starts;
   a GEMM in front of it has waited on its own predecessor before letting it launch, so it is
-  complete by then), the one-pass norms load their weight (a parameter) before the wait, and
-  with EARLY_WEIGHT the skinny GEMMs their first weight tile;
+  complete by then), and the one-pass norms load their weight (a parameter) before the wait;
 - where to signal: a short kernel (norms, SiLU-and-mul, RoPE, quant, cache writes) signals first
   (`pdl_enter`), a long one (GEMMs, attention) after its main loop (`pdl_wait` ... `pdl_release`).
   Signalling at the start of a long kernel let the next kernels, and theirs, pile up on the SMs
@@ -41,12 +40,6 @@ from v1_engine.kernels import interpreting
 
 PDL_ENABLED = os.environ.get("V1ENGINE_PDL", "1") != "0"
 """V1ENGINE_PDL=0 launches every kernel without programmatic dependent launch."""
-
-EARLY_WEIGHT = os.environ.get("V1ENGINE_EARLY_WEIGHT", "0") == "1"
-"""V1ENGINE_EARLY_WEIGHT=1: the skinny GEMMs (triton_gemv.py, and triton_gemv_fp8.py's fma
-bodies) load their first weight tile before the PDL wait, the contract's third exception (a
-weight is a parameter: no kernel of a step writes it), so that a program launched early has
-its first tile in flight while the kernel before it finishes. Off until measured."""
 
 
 @lru_cache(maxsize=16)

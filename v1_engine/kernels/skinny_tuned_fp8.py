@@ -13,6 +13,7 @@ _SPLIT4 = _BLOCK_S3 | {"split_k": 4}
 _SPLIT8 = _BLOCK_S3 | {"split_k": 8}
 
 _FMA = {"mode": "fma", "num_warps": 4}
+_WGMMA_K128 = {"mode": "wgmma", "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
 _FMA_K512 = _FMA | {"block_k": 512, "num_stages": 4}
 _FMA_K1024 = _FMA | {"block_k": 1024, "block_n": 4, "num_stages": 6}
 
@@ -28,7 +29,7 @@ FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | No
         (4, 4096, 4096): None,
         (8, 4096, 4096): None,
         (16, 4096, 4096): None,
-        (1, 28672, 4096): _FMA_K1024,
+        (1, 28672, 4096): _FMA_K1024 | {"block_n": 8},
         (2, 28672, 4096): None,
         (4, 28672, 4096): None,
         (8, 28672, 4096): None,
@@ -100,7 +101,7 @@ FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | No
         (1, 4096, 14336): _FMA | {"block_n": 8, "block_k": 1024, "num_stages": 3},
     },
     "gated": {
-        (1, 28672, 4096): _FMA_K1024,
+        (1, 28672, 4096): _WGMMA_K128,
     },
 }
 """Measured launch configs per kind, keyed by (M bucket, N, K) as triton_gemv.TUNED_LAUNCH; None
@@ -130,5 +131,13 @@ an H100"; no H200 was lent that session): 1.03-1.10x CUTLASS on every Llama-3-8B
 vs 12.5 us, o_proj 8.9 vs 9.4, gate_up 41.1 vs 42.2, down 22.7 vs 24.1; gated gate_up 41.3 vs
 CUTLASS + SiLU-quant 45.4; weight_only down 22.8 vs 24.1), the wgmma body nowhere first. In
 the engine (same call) FP8 batch-1 decode went 3.451 -> 3.377 ms with the channel entries, 3.287
-with the fp8_gated_mlp pass on top. Re-sweep on the H200 when one is lent. M 2..64 are not
-swept for these bodies (no entry: CUTLASS, or the block kind's dot_swap)."""
+with the fp8_gated_mlp pass on top. M 2..64 are not swept for these bodies (no entry: CUTLASS,
+or the block kind's dot_swap).
+
+Re-swept at M = 1 on the H200 (2026-12-05 13:30 UTC, RESULTS.md "FP8 batch-1 decode on the
+H200: ..."; `--fp8 channel --modes fma --shapes qkv,o_proj,gate_up,down`, `--fp8 gated`,
+`--fp8 weight_only --shapes down`): qkv, o_proj and down (both kinds) kept their H100 launches
+(8.9 vs CUTLASS 10.0 us, 7.0 vs 7.5, 16.7 vs 17.6); channel gate_up moved to block_n 8 (30.6
+vs 30.7; the H100's block_n 4 took 33.0 there); the gated gate_up to the wgmma body (30.0 us
+against CUTLASS + SiLU-quant 33.8; the H100's fma launch took 32.0). Engine FP8 batch 1 2.558
+-> 2.510 ms. weight_only o_proj was not re-swept."""

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from v1_engine.kernels import gemm_cutlass, interpreting, pdl
+from v1_engine.kernels import gemm_cutlass, interpreting
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
 from v1_engine.kernels.skinny_tuned import TUNED_LAUNCH
@@ -112,12 +112,11 @@ def _skinny_gemm_kernel(
     ADD_NORM: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     HW: tl.constexpr,
-    EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (n, s): BLOCK_N output columns over the s-th k_per_split-wide slice of K (all of K
-    when SPLIT_K is 1; MODE, the split and the GATED / ADD_NORM epilogues: see the module).
-    EARLY: the first K step's weight tile(s) loaded before the PDL wait (pdl.EARLY_WEIGHT)."""
+    when SPLIT_K is 1; MODE, the split and the GATED / ADD_NORM epilogues: see the module)."""
+    pdl_wait(PDL)
     tile = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
@@ -137,28 +136,8 @@ def _skinny_gemm_kernel(
     if GATED:  # the up rows sit N rows below the gate rows; their own accumulator
         u_ptrs = w_ptrs + N.to(tl.int64) * stride_wn
         acc_u = tl.zeros_like(acc)
-    loop_start = k_start
-    if EARLY:  # the loop's first step, its weight loaded before the wait
-        k_mask = offs_k[None, :] < k_end - k_start
-        w_mask = n_mask[:, None] & k_mask
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        if GATED:
-            u = tl.load(u_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        pdl_wait(PDL)
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_last")
-        if DOT_F32:
-            x = x.to(tl.float32)
-        acc = _accumulate(acc, x, w, MODE, DOT_F32)
-        if GATED:
-            acc_u = _accumulate(acc_u, x, u, MODE, DOT_F32)
-            u_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        loop_start += BLOCK_K
-    else:
-        pdl_wait(PDL)
     # An explicit num_stages on the loop pipelines the loads even where no tl.dot consumes them.
-    for k in tl.range(loop_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+    for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k[None, :] < k_end - k
         w_mask = n_mask[:, None] & k_mask
         w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
@@ -439,7 +418,6 @@ def _constexprs(
         "ADD_NORM": False,
         "NORM_BLOCK": NORM_BLOCK,
         "HW": not interpreting(),
-        "EARLY": pdl.EARLY_WEIGHT,
         "num_warps": config["num_warps"],
         "num_stages": config["num_stages"],
     } | launch_options(device)

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from v1_engine.kernels import interpreting, pdl, triton_gemv
+from v1_engine.kernels import interpreting, triton_gemv
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.skinny_tuned_fp8 import FP8_TUNED_LAUNCH
 from v1_engine.kernels.triton_gemv import _dot, _silu_mul, _split_arrive, _split_sum, m_bucket
@@ -103,15 +103,6 @@ def _load_weight_f32(b_ptrs, n_mask, k_row, DOT_F32: tl.constexpr):
     b = tl.load(b_ptrs, mask=n_mask[:, None] & k_row[None, :], other=0.0,
                 eviction_policy="evict_first")  # fmt: skip
     return _to_f32(b, DOT_F32)
-
-
-@triton.jit
-def _early_weight(b_ptrs, n_mask, k_row):
-    """The fma body's first [BLOCK_N, BLOCK_K] weight tile as stored (e4m3), loaded before the
-    PDL wait (pdl.EARLY_WEIGHT): no kernel of a step writes a weight, so while the program
-    waits for the kernel before it, the tile is already on its way from HBM."""
-    return tl.load(b_ptrs, mask=n_mask[:, None] & k_row[None, :], other=0.0,
-                   eviction_policy="evict_first")  # fmt: skip
 
 
 @triton.jit
@@ -205,14 +196,13 @@ def _fp8_skinny_kernel(
     SPLIT_K: tl.constexpr,
     FMA: tl.constexpr,
     NATIVE: tl.constexpr,
-    EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Per-tensor/per-channel kind: program (n, s) owns BLOCK_N output columns over the s-th
     k_per_split-wide slice of K (all of K unsplit); scale strides are 0 for a per-tensor scale.
     The scales (and bias) apply once, to the summed tile. FMA picks the "fma" body, NATIVE the
-    "wgmma" one (else "dot_swap"); EARLY (fma) loads the first weight tile before the PDL wait
-    (pdl.EARLY_WEIGHT)."""
+    "wgmma" one (else "dot_swap")."""
+    pdl_wait(PDL)
     tile = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
@@ -224,23 +214,11 @@ def _fp8_skinny_kernel(
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + (k_start + offs_k)[None, :]
     b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + (k_start + offs_k)[None, :]
     a_row = a_ptr + k_start + offs_k  # the fma body's row 0 (rows follow at stride_am)
-    loop_start = k_start
-    if FMA and EARLY:
-        k_row = offs_k < k_end - k_start
-        w_early = _early_weight(b_ptrs, n_mask, k_row)
-    pdl_wait(PDL)
     if FMA:
         acc0, acc1, acc2, acc3 = _fma_accumulators(BLOCK_N, BLOCK_K)
-        if EARLY:
-            acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, a_row, stride_am, M,
-                                               _to_f32(w_early, DOT_F32), k_row, a_row, 0, 1.0,
-                                               False, BLOCK_M, DOT_F32)  # fmt: skip
-            a_row += BLOCK_K
-            b_ptrs += BLOCK_K
-            loop_start += BLOCK_K
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k in tl.range(loop_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+    for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         if FMA:
             k_row = offs_k < k_end - k
             w32 = _load_weight_f32(b_ptrs, n_mask, k_row, DOT_F32)
@@ -398,7 +376,6 @@ def _fp8_decode_kernel(
     NUM_STAGES: tl.constexpr,
     NATIVE: tl.constexpr,
     HW: tl.constexpr,
-    EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """The decode kinds: program n owns BLOCK_N of the N output columns over all of K.
@@ -406,8 +383,8 @@ def _fp8_decode_kernel(
     A_FP8 and GATED ("gated"): b holds N gate rows then N up rows; gate and up are
     (a @ rows^T) * scale_a * scale_b, each rounded to out's dtype as scaled_mm stores it, and out
     = silu(gate) * up with kernels/triton_fused.py's roundings. The fma body, or with NATIVE
-    (the gated kind's "wgmma" body) the gate and up tiles each in FP8 warpgroup MMAs; EARLY
-    (fma) loads the first gate (and up) weight tile before the PDL wait (pdl.EARLY_WEIGHT)."""
+    (the gated kind's "wgmma" body) the gate and up tiles each in FP8 warpgroup MMAs."""
+    pdl_wait(PDL)
     tile = tl.program_id(0)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -416,12 +393,6 @@ def _fp8_decode_kernel(
     m_mask = offs_m < M
     g_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
     u_ptrs = g_ptrs + N.to(tl.int64) * stride_bn
-    if not NATIVE and EARLY:
-        k_row = offs_k < K
-        g_early = _early_weight(g_ptrs, n_mask, k_row)
-        if GATED:
-            u_early = _early_weight(u_ptrs, n_mask, k_row)
-    pdl_wait(PDL)
     if NATIVE:
         a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
         gate_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -440,20 +411,7 @@ def _fp8_decode_kernel(
         a_row = a_ptr + offs_k  # row 0; rows follow at stride_am (see _fma_rows)
         g0, g1, g2, g3 = _fma_accumulators(BLOCK_N, BLOCK_K)
         u0, u1, u2, u3 = _fma_accumulators(BLOCK_N, BLOCK_K)
-        loop_start = 0
-        if EARLY:
-            g0, g1, g2, g3 = _fma_rows(g0, g1, g2, g3, a_row, stride_am, M,
-                                       _to_f32(g_early, DOT_F32), k_row, a_row, 0, 1.0, False,
-                                       BLOCK_M, DOT_F32)  # fmt: skip
-            if GATED:
-                u0, u1, u2, u3 = _fma_rows(u0, u1, u2, u3, a_row, stride_am, M,
-                                           _to_f32(u_early, DOT_F32), k_row, a_row, 0, 1.0,
-                                           False, BLOCK_M, DOT_F32)  # fmt: skip
-                u_ptrs += BLOCK_K
-            a_row += BLOCK_K
-            g_ptrs += BLOCK_K
-            loop_start = BLOCK_K
-        for k in tl.range(loop_start, K, BLOCK_K, num_stages=NUM_STAGES):
+        for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k_row = offs_k < K - k
             w32 = _load_weight_f32(g_ptrs, n_mask, k_row, DOT_F32)
             g0, g1, g2, g3 = _fma_rows(g0, g1, g2, g3, a_row, stride_am, M, w32, k_row, a_row,
@@ -593,8 +551,7 @@ def _vector_stride(scale: torch.Tensor) -> int:
 def _constexprs(
     m: int, config: dict[str, int | str], device: torch.device
 ) -> dict[str, int | bool]:
-    """Compile-time arguments and launch options of the channel kernel (the others': see
-    `_block_constexprs`, `_decode_constexprs`)."""
+    """Compile-time arguments and launch options shared by both kernels."""
     return {
         "DOT_F32": interpreting(),
         "BLOCK_M": triton_gemv.block_rows(str(config["mode"]), m),
@@ -603,7 +560,6 @@ def _constexprs(
         "NUM_STAGES": config["num_stages"],
         "SPLIT_K": config["split_k"],
         "NATIVE": config["mode"] == "wgmma",
-        "EARLY": pdl.EARLY_WEIGHT,
         "num_warps": config["num_warps"],
         "num_stages": config["num_stages"],
     } | launch_options(device)
@@ -708,15 +664,9 @@ def fp8_block_skinny_gemm(
         *scale_a.stride(),
         *scale_b.stride(),
         FMA=config["mode"] == "fma",
-        **_block_constexprs(m, config, a.device),
+        **_constexprs(m, config, a.device),
     )
     return out
-
-
-def _block_constexprs(m: int, config: dict[str, int | str], device: torch.device) -> dict:
-    constexprs = _constexprs(m, config, device)
-    del constexprs["EARLY"]  # the block kind's fma body scales each step's row: no early tile
-    return constexprs
 
 
 def _decode_constexprs(m: int, config: dict[str, int | str], device: torch.device) -> dict:
@@ -830,9 +780,7 @@ def precompile_fp8(
             *args, grid=(1,), A_FP8=gated, GATED=gated, HAS_BIAS=False, **constexprs
         )
         return
-    constexprs = (_constexprs if kind == "channel" else _block_constexprs)(
-        m, config, torch.device("cuda")
-    )
+    constexprs = _constexprs(m, config, torch.device("cuda"))
     split = config["split_k"] > 1
     workspace = (fp32 if split else out_dtype, torch.int32 if split else out_dtype)
     sizes = (m, n, k, triton_gemv.k_per_split(k, config), k, k, n)
