@@ -255,11 +255,17 @@ def test_weight_only_llama3_shapes_gpu(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3, 4])
-@pytest.mark.parametrize("mode", skinny.KIND_MODES["gated"])
+@pytest.mark.parametrize("mode", [*skinny.KIND_MODES["gated"], "table"])
 def test_gated_llama3_gate_up_gpu(m, mode):
+    """Each body, and "table": the launch the op takes at this M (at M = 1 the measured wgmma
+    entry, 128-deep steps)."""
     a, scale_a = fp8.per_token_fp8_quant_ref(randn((m, 4096), m).cuda())
     w, scale_w = quantized_weight(28672, 4096, seed=2, device="cuda")
-    launch = {"mode": "wgmma", "block_n": 64, "block_k": 256} if mode == "wgmma" else {}
+    launch = {
+        "fma": {"mode": "fma", "block_n": 4, "block_k": 1024 if m == 1 else 256},
+        "wgmma": {"mode": "wgmma", "block_n": 64, "block_k": 256},
+        "table": {},
+    }[mode]
     out = skinny.fp8_gated_gemm(a, w, scale_a, scale_w, torch.bfloat16, **launch)
     ref = silu_and_mul_ref(fp8.scaled_mm_ref(a, w, scale_a, scale_w, torch.bfloat16))
     assert_matches(out, ref, ulps=2.0)
