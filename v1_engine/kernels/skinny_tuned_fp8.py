@@ -14,27 +14,29 @@ _SPLIT8 = _BLOCK_S3 | {"split_k": 8}
 
 _FMA = {"mode": "fma", "num_warps": 4}
 _WGMMA_K128 = {"mode": "wgmma", "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
-_FMA_K512 = _FMA | {"block_k": 512, "num_stages": 4}
-_FMA_K1024 = _FMA | {"block_k": 1024, "block_n": 4, "num_stages": 6}
+_FMA_QKV = _FMA | {"block_n": 16, "block_k": 512, "num_stages": 4}
+_FMA_O_PROJ = _FMA_QKV | {"block_n": 8}
+_FMA_GATE_UP = _FMA | {"block_n": 8, "block_k": 1024, "num_stages": 6}
+_FMA_DOWN = _FMA_GATE_UP | {"num_stages": 3}
 
 FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | None]] = {
     "channel": {
-        (1, 6144, 4096): _FMA_K512 | {"block_n": 16},
+        (1, 6144, 4096): _FMA_QKV,
         (2, 6144, 4096): None,
         (4, 6144, 4096): None,
         (8, 6144, 4096): None,
         (16, 6144, 4096): None,
-        (1, 4096, 4096): _FMA_K512 | {"block_n": 8},
+        (1, 4096, 4096): _FMA_O_PROJ,
         (2, 4096, 4096): None,
         (4, 4096, 4096): None,
         (8, 4096, 4096): None,
         (16, 4096, 4096): None,
-        (1, 28672, 4096): _FMA_K1024 | {"block_n": 8},
+        (1, 28672, 4096): _FMA_GATE_UP,
         (2, 28672, 4096): None,
         (4, 28672, 4096): None,
         (8, 28672, 4096): None,
         (16, 28672, 4096): None,
-        (1, 4096, 14336): _FMA | {"block_n": 8, "block_k": 1024, "num_stages": 3},
+        (1, 4096, 14336): _FMA_DOWN,
         (2, 4096, 14336): None,
         (4, 4096, 14336): None,
         (8, 4096, 14336): None,
@@ -97,8 +99,8 @@ FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | No
         (64, 8192, 28672): None,
     },
     "weight_only": {
-        (1, 4096, 4096): _FMA_K512 | {"block_n": 8},
-        (1, 4096, 14336): _FMA | {"block_n": 8, "block_k": 1024, "num_stages": 3},
+        (1, 4096, 4096): _FMA_O_PROJ,
+        (1, 4096, 14336): _FMA_DOWN,
     },
     "gated": {
         (1, 28672, 4096): _WGMMA_K128,
