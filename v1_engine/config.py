@@ -289,6 +289,9 @@ class CompilationConfig:
         unknown = [p for p in self.fusion_passes or () if p not in FUSION_PASSES]
         if unknown:
             raise ValueError(f"fusion_passes must be among {FUSION_PASSES}, got {unknown}")
+        repeated = sorted({p for p in self.fusion_passes or () if self.fusion_passes.count(p) > 1})
+        if repeated:
+            raise ValueError(f"fusion_passes must name each pass once, got {repeated} repeated")
 
 
 @dataclass

@@ -124,3 +124,15 @@ def test_fusion_passes_default_by_device():
     assert CompilationConfig(fusion_passes=[]).effective_fusion_passes("cuda") == []
     chosen = CompilationConfig(fusion_passes=["silu_and_mul"])
     assert chosen.effective_fusion_passes("cuda") == ["silu_and_mul"]
+
+
+def test_fusion_passes_refuse_unknown_and_repeated_names():
+    """A pass named twice would run twice (its second run finds nothing and its match count no
+    longer says what the graph holds): refused, as an unknown name is, naming the field."""
+    from v1_engine.config import CompilationConfig
+
+    CompilationConfig(fusion_passes=["silu_and_mul", "add_rms_norm"]).verify()
+    with pytest.raises(ValueError, match=r"fusion_passes must name each pass once.*silu_and_mul"):
+        CompilationConfig(fusion_passes=["silu_and_mul", "add_rms_norm", "silu_and_mul"]).verify()
+    with pytest.raises(ValueError, match=r"fusion_passes must be among .*\['nope'\]"):
+        CompilationConfig(fusion_passes=["nope"]).verify()
