@@ -42,6 +42,13 @@ class ModelConfig:
     """None: weights as stored (an FP8 checkpoint's `quantization_config` is still honoured).
     "fp8": quantize a bf16/fp16 checkpoint's linear layers to FP8 e4m3 at load (per-channel weight
     scales, dynamic per-token activation scales)."""
+    quantize_lm_head: bool = False
+    """Also quantize the LM head, which otherwise stays in the model dtype, to FP8 e4m3 at load:
+    one scale per vocabulary row, dynamic per-token activation scales (the online FP8 linear
+    layers' math). Halves the bytes a decode step reads for the head (Llama-3-8B: 1.05 GB →
+    0.53 GB) at the cost of some logit precision. A model with tied embeddings keeps its
+    embedding in the model dtype and gets a separate FP8 copy for the head. Needs FP8 linear
+    layers: quantization="fp8" or an FP8 checkpoint."""
 
     def verify(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -55,6 +62,10 @@ class ModelConfig:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}"
+            )
+        if not isinstance(self.quantize_lm_head, bool):
+            raise ValueError(  # noqa: TRY004 (user input: ValueError naming the field)
+                f"quantize_lm_head must be a bool, got {self.quantize_lm_head!r}"
             )
 
 

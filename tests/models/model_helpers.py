@@ -174,6 +174,7 @@ def save_scaled_tiny_llama(
     head_dim: int | None = None,
     vocab_size: int = 256,
     tokenizer=None,
+    tie_word_embeddings: bool = False,
 ):
     """A 2-layer random Llama saved to `path` (optionally with `tokenizer`), scaled init: linear
     weights normal(0, 0.7 / sqrt(fan_in)), so each sublayer adds to the residual stream without
@@ -194,7 +195,7 @@ def save_scaled_tiny_llama(
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         **extra,
     )
     torch.manual_seed(0)

@@ -169,6 +169,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="fp8: quantize the linear layers of a bf16/fp16/fp32 checkpoint to FP8 e4m3 at load "
         "(an FP8 checkpoint loads as FP8 without this flag) (default: none)",
     )
+    group.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="also quantize the LM head to FP8 e4m3 at load (per vocabulary row; costs some "
+        "logit precision); needs --quantization fp8 or an FP8 checkpoint",
+    )
 
 
 def compilation_value(text: str) -> int | dict[str, Any]:
@@ -195,6 +201,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager": args.enforce_eager,
         "seed": args.seed,
         "load_format": args.load_format,
+        "quantize_lm_head": args.quantize_lm_head,
         "served_model_name": served_model_name(args),
     }
     optional = (

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from v1_engine.layers.embedding import LMHead
 from v1_engine.layers.linear import Linear
 from v1_engine.layers.quantization import (
     QuantizationConfig,
@@ -172,6 +173,7 @@ def get_model(
     load_format: str,
     seed: int,
     quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> nn.Module:
     """Build the model for `hf_config` on `device` in `dtype` and fill its weights.
 
@@ -179,15 +181,26 @@ def get_model(
     safetensors one tensor at a time (or with seeded random values for load_format="dummy").
     Linear layers follow the quantization config (`quantization`, or the checkpoint's own
     `quantization_config`): FP8 checkpoints load as stored; quantization="fp8" quantizes a
-    high-precision checkpoint after loading, freeing its weights.
+    high-precision checkpoint after loading, freeing its weights. `quantize_lm_head` also
+    quantizes the LM head (per vocabulary row, `LMHead.quantize_fp8`) once the rest is loaded;
+    it needs FP8 linear layers.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_class = get_model_class(hf_config)
     quant_config = get_quant_config(quantization, hf_config)
+    if quantize_lm_head and quant_config is None:
+        raise ValueError(
+            "quantize_lm_head needs FP8 linear layers: quantization='fp8' or an FP8 checkpoint"
+        )
     with _default_dtype(dtype), torch.device(device):
         with set_quant_config(quant_config):
             model = model_class(hf_config)
+        if quantize_lm_head and not isinstance(getattr(model, "lm_head", None), LMHead):
+            raise ValueError(
+                f"quantize_lm_head needs a model whose `lm_head` is an LMHead; "
+                f"{model_class.__name__} has none"
+            )
         if quant_config is not None and quant_config.ignored_modules:
             unquantize_ignored_layers(model, quant_config)
     with torch.no_grad():
@@ -203,6 +216,8 @@ def get_model(
         for module in model.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
+        if quantize_lm_head:
+            model.lm_head.quantize_fp8()
     return model.eval()
 
 
