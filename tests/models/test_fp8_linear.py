@@ -660,7 +660,9 @@ def test_fp8_decode_ops_in_the_engine_follow_the_quantized_chain_gpu(
     prompts = [PROMPT, PROMPT[:3], PROMPT[1:]]
     kwargs = {"dtype": "bfloat16", "quantization": "fp8", "max_model_len": 128, "num_kv_blocks": 64}
     decode_passes = ["fp8_gated_mlp", "fp8_dynamic_linear"]
-    chain = [p for p in CompilationConfig().effective_fusion_passes("cuda") if p not in decode_passes]
+    chain = [
+        p for p in CompilationConfig().effective_fusion_passes("cuda") if p not in decode_passes
+    ]
     runs = []
     for passes in (chain, chain + decode_passes):
         config = {"level": 2, "fusion_passes": passes}
