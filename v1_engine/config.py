@@ -179,9 +179,12 @@ OPT_IN_FUSION_PASSES = ("skinny_add_rms_norm", "fused_mlp", "fp8_dynamic_linear"
 (the norm in the last tile of the GEMM: batch 1 4.50 vs 4.33 ms a step, benchmarks/RESULTS.md,
 "Skinny GEMM epilogues"; the persistent fused MLP: 5-7% slower than the chain at M 16-64,
 "A decoder layer's MLP in one persistent kernel", and fused_mlp's op runs its kernel only
-where kernels/triton_mlp.TUNED_LAUNCH, empty, holds a launch; fp8_dynamic_linear, o_proj on
-the bf16 attention output: FP8 batch-1 decode 3.373 -> 3.639 ms on an H100, not yet explained,
-"FP8 batch-1 decode measured on an H100"). fp8_gated_mlp is on: 3.373 -> 3.287 ms there."""
+where kernels/triton_mlp.TUNED_LAUNCH, empty, holds a launch). fp8_dynamic_linear (o_proj on
+the bf16 attention output) measured 3.373 -> 3.639 ms at FP8 batch 1 on an H100 once, then
+20-40 us faster in same-mode runs but 0.35-0.55 ms slower in two single runs out of three
+without the FP8 head: runs on the H100 are bimodal (bf16 too, without it), so it waits for
+the H200 ("Per-process bimodal step times", RESULTS.md). fp8_gated_mlp is on: 3.373 -> 3.287
+ms there."""
 
 
 @dataclass
