@@ -66,6 +66,7 @@ from bench_utils import HBM_BYTES_PER_S, read_gemm_tables, write_gemm_tables
 from compile.passes.fused_ops import silu_and_mul_ref
 from v1_engine.kernels import fp8, fp8_cutlass, triton_fused_quant, triton_gemv
 from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
+from v1_engine.kernels import triton_gemv_fp8_decode as fp8_decode
 from v1_engine.layers.quantization.fp8_moe import quantize_matrix_block_fp8
 
 SHAPES = {  # name: (N, K) of Llama-3-8B's linears, then Llama-3-70B's (at one GPU's width)
@@ -359,9 +360,9 @@ class Problem:
         if self.kind == "channel":
             return fp8_skinny.fp8_skinny_gemm(a, w, scale_a, self.scale_w, torch.bfloat16, **launch)
         if self.kind == "weight_only":
-            return fp8_skinny.fp8_weight_only_gemm(self.bf16_xs[m], w, self.scale_w, **launch)
+            return fp8_decode.fp8_weight_only_gemm(self.bf16_xs[m], w, self.scale_w, **launch)
         if self.kind == "gated":
-            return fp8_skinny.fp8_gated_gemm(a, w, scale_a, self.scale_w, torch.bfloat16, **launch)
+            return fp8_decode.fp8_gated_gemm(a, w, scale_a, self.scale_w, torch.bfloat16, **launch)
         return fp8_skinny.fp8_block_skinny_gemm(
             a, w, scale_a, self.scale_w, torch.bfloat16, **launch
         )

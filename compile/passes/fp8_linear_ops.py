@@ -62,6 +62,13 @@ def _skinny():
     return triton_gemv_fp8
 
 
+def _decode():
+    """kernels/triton_gemv_fp8_decode.py (the "weight_only" / "gated" kernels), likewise."""
+    from v1_engine.kernels import triton_gemv_fp8_decode
+
+    return triton_gemv_fp8_decode
+
+
 def _weight_only_fits(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether the "weight_only" kernel takes x times weight on this shape: an entry in its table
     for x's M bucket, x already in the output dtype, the skinny kernels' operand layout."""
@@ -86,7 +93,7 @@ def fp8_dynamic_linear_cuda(
     from v1_engine.kernels import fp8
 
     if _weight_only_fits(x, weight, out_dtype) and (bias is None or bias.dtype == out_dtype):
-        return _skinny().fp8_weight_only_gemm(x, weight, weight_scale, bias)
+        return _decode().fp8_weight_only_gemm(x, weight, weight_scale, bias)
     q, scale = fp8._per_token_fp8_quant_cuda(x)
     return fp8._scaled_mm_cuda(q, weight, scale, weight_scale, out_dtype, bias)
 
@@ -118,8 +125,8 @@ def fp8_gated_mlp_cuda(
         and skinny.prefers_fp8_skinny("gated", m, rows, k)
         and skinny.prefers_fp8_skinny("weight_only", m, w_down.shape[0], inner)
     ):
-        h = skinny.fp8_gated_gemm(q, w_gate_up, scale, s_gate_up, out_dtype)
-        return skinny.fp8_weight_only_gemm(h, w_down, s_down)
+        h = _decode().fp8_gated_gemm(q, w_gate_up, scale, s_gate_up, out_dtype)
+        return _decode().fp8_weight_only_gemm(h, w_down, s_down)
     gate_up = fp8._scaled_mm_cuda(q, w_gate_up, scale, s_gate_up, out_dtype).to(act_dtype)
     q_h, scale_h = _triton().silu_and_mul_quant(gate_up, None)
     return fp8._scaled_mm_cuda(q_h, w_down, scale_h, s_down, out_dtype)

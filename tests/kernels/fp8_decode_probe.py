@@ -26,6 +26,7 @@ import triton
 from pipeline_probe import compile_recorded, register_usage
 
 from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
+from v1_engine.kernels import triton_gemv_fp8_decode as fp8_decode
 
 CASES = {  # name: (kind, M, N, K, block_n, block_k); Llama-3-8B shapes
     "channel_down_m1": ("channel", 1, 4096, 14336, 4, 1024),
@@ -117,10 +118,10 @@ def compile_case(kind: str, m: int, n: int, k: int, launch: dict) -> dict:
         )
     elif kind == "weight_only":
         x = torch.zeros(m, k, dtype=torch.bfloat16)
-        fp8_skinny.fp8_weight_only_gemm(x, b, torch.ones(n, 1), **launch)
+        fp8_decode.fp8_weight_only_gemm(x, b, torch.ones(n, 1), **launch)
     else:  # gated: n weight rows (gate, then up) for n / 2 output columns
         a = torch.zeros(m, k, dtype=fp8)
-        fp8_skinny.fp8_gated_gemm(
+        fp8_decode.fp8_gated_gemm(
             a, b, torch.ones(m, 1), torch.ones(n, 1), torch.bfloat16, **launch
         )
     rows = launch["block_n"] * (2 if kind == "gated" else 1)
@@ -145,7 +146,7 @@ def rank(kind: str, m: int, top: int) -> list[dict]:
 
 def main() -> None:
     kernels = (fp8_skinny._fp8_skinny_kernel, fp8_skinny._fp8_block_skinny_kernel,
-               fp8_skinny._fp8_decode_kernel)  # fmt: skip
+               fp8_decode._fp8_decode_kernel)  # fmt: skip
     for kernel in kernels:
         kernel.run = probe._recorder(kernel)
     parser = argparse.ArgumentParser(description="sm_90 builds of the FP8 fma kernels")

@@ -31,6 +31,7 @@ from v1_engine.kernels import (
     triton_fused_quant,
     triton_gemv,
     triton_gemv_fp8,
+    triton_gemv_fp8_decode,
     triton_mla,
     triton_moe,
     triton_quant,
@@ -114,7 +115,7 @@ def _launch_all() -> None:
     b8 = w.to(torch.float8_e4m3fn)
     triton_gemv_fp8.fp8_skinny_gemm(a8, b8, torch.ones(2, 1), torch.ones(128, 1), bf16)
     triton_gemv_fp8.fp8_block_skinny_gemm(a8, b8, torch.ones(2, 2), torch.ones(1, 2), bf16)
-    triton_gemv_fp8.fp8_gated_gemm(a8, b8, torch.ones(2, 1), torch.ones(128, 1), bf16)
+    triton_gemv_fp8_decode.fp8_gated_gemm(a8, b8, torch.ones(2, 1), torch.ones(128, 1), bf16)
     q = torch.randn(3, 4, 64, dtype=bf16)
     k = torch.randn(3, 2, 64, dtype=bf16)
     cos_sin = torch.randn(16, 32, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""The FP8 decode kernels of kernels/triton_gemv_fp8.py ("weight_only": bf16 activations times
+"""The FP8 decode kernels of kernels/triton_gemv_fp8_decode.py ("weight_only": bf16 activations times
 an e4m3 weight; "gated": gate_up with SiLU-and-mul in the epilogue) and the CUDA bodies of
 compile/passes/fp8_linear_ops.py's ops that take them: under the interpreter on CPU (tiny
 shapes with ragged edges, the ops' dispatch with the quantized chain stubbed), on the device
@@ -22,6 +22,7 @@ from v1_engine.kernels import fp8
 _CUDA = torch.cuda.is_available()
 triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
 skinny = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8")
+decode = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8_decode")
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
 
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -73,7 +74,7 @@ def test_weight_only_matches_reference_interpreted(m, dtype, per_channel):
     x = strided(randn((m, k), m).to(dtype))
     w, scale_w = quantized_weight(n, k, seed=m + 1, per_channel=per_channel)
     bias = randn((n,), 7).to(dtype) if per_channel else None
-    out = skinny.fp8_weight_only_gemm(x, w, scale_w, bias, mode="fma", **SMALL)
+    out = decode.fp8_weight_only_gemm(x, w, scale_w, bias, mode="fma", **SMALL)
     assert_matches(out, weight_only_ref(x, w, scale_w, bias))
 
 
@@ -89,7 +90,7 @@ def test_gated_matches_the_quantized_chain_interpreted(m, per_token, mode):
     a, scale_a = fp8.per_token_fp8_quant_ref(x) if per_token else fp8.scaled_fp8_quant_ref(x)
     w, scale_w = quantized_weight(2 * i, k, seed=5)
     launch = SMALL | ({"block_n": 64, "block_k": 128} if mode == "wgmma" else {})
-    out = skinny.fp8_gated_gemm(a, w, scale_a, scale_w, torch.bfloat16, mode=mode, **launch)
+    out = decode.fp8_gated_gemm(a, w, scale_a, scale_w, torch.bfloat16, mode=mode, **launch)
     ref = silu_and_mul_ref(fp8.scaled_mm_ref(a, w, scale_a, scale_w, torch.bfloat16))
     assert out.shape == (m, i)
     assert_matches(out, ref, ulps=2.0)
@@ -145,8 +146,8 @@ def chain(monkeypatch):
     monkeypatch.setattr(fused_quant_ops, "_triton", lambda: FusedQuant)
     kernels = {}
     for name in ("fp8_weight_only_gemm", "fp8_gated_gemm"):
-        kernels[name] = Recorder(getattr(skinny, name))
-        monkeypatch.setattr(skinny, name, lambda *a, _r=kernels[name], **kw: _r(*a, **kw))
+        kernels[name] = Recorder(getattr(decode, name))
+        monkeypatch.setattr(decode, name, lambda *a, _r=kernels[name], **kw: _r(*a, **kw))
     for kind in skinny.DECODE_KINDS:
         monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, kind, {})
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
@@ -247,10 +248,10 @@ def test_fma_kernels_compile_for_sm90_without_spills(run_compile_probe):
 def test_weight_only_llama3_shapes_gpu(m, n, k):
     x = randn((m, k), m).to("cuda", torch.bfloat16)
     w, scale_w = quantized_weight(n, k, seed=1, device="cuda")
-    out = skinny.fp8_weight_only_gemm(x, w, scale_w)
+    out = decode.fp8_weight_only_gemm(x, w, scale_w)
     assert_matches(out, weight_only_ref(x, w, scale_w))
     launch = {"block_n": 8, "block_k": 512, "num_stages": 3}
-    assert_matches(skinny.fp8_weight_only_gemm(x, w, scale_w, **launch), out, ulps=2.0)
+    assert_matches(decode.fp8_weight_only_gemm(x, w, scale_w, **launch), out, ulps=2.0)
 
 
 @pytest.mark.gpu
@@ -266,7 +267,7 @@ def test_gated_llama3_gate_up_gpu(m, mode):
         "wgmma": {"mode": "wgmma", "block_n": 64, "block_k": 256},
         "table": {},
     }[mode]
-    out = skinny.fp8_gated_gemm(a, w, scale_a, scale_w, torch.bfloat16, **launch)
+    out = decode.fp8_gated_gemm(a, w, scale_a, scale_w, torch.bfloat16, **launch)
     ref = silu_and_mul_ref(fp8.scaled_mm_ref(a, w, scale_a, scale_w, torch.bfloat16))
     assert_matches(out, ref, ulps=2.0)
 
@@ -323,7 +324,7 @@ def test_precompile_passes_every_constexpr_of_its_kernel(kind, mode, monkeypatch
     """`precompile_fp8` (the sweeps' parallel compiles) warms up the kernel with exactly the
     compile-time arguments the launch passes: each kernel's constexpr parameters, no other."""
     kernels = {"channel": skinny._fp8_skinny_kernel, "block": skinny._fp8_block_skinny_kernel,
-               "weight_only": skinny._fp8_decode_kernel, "gated": skinny._fp8_decode_kernel}  # fmt: skip
+               "weight_only": decode._fp8_decode_kernel, "gated": decode._fp8_decode_kernel}  # fmt: skip
     kernel = kernels[kind]
     seen = {}
     monkeypatch.setattr(kernel, "warmup", lambda *args, grid, **kwargs: seen.update(kwargs))

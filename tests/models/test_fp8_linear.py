@@ -633,24 +633,25 @@ def test_fp8_decode_ops_in_the_engine_follow_the_quantized_chain_gpu(
     tmp_path, default_tokenizer, monkeypatch
 ):
     """-O2 with the FP8 decode passes and table entries for this model's shapes at M 1..4
-    (kernels/triton_gemv_fp8.py's "weight_only" and "gated" kinds): the decode graphs run the
+    (kernels/triton_gemv_fp8_decode.py's "weight_only" and "gated" kinds): the decode graphs run the
     kernels that skip the activation quant, and the greedy tokens follow the engine without
     the decode passes (the first token of every prompt, and most of the rest: dropping a
     rounding can only flip near ties)."""
     from v1_engine import LLM, SamplingParams
     from v1_engine.config import CompilationConfig
     from v1_engine.kernels import triton_gemv_fp8 as skinny
+    from v1_engine.kernels import triton_gemv_fp8_decode as decode
 
     save_cuda_sized_llama(tmp_path, default_tokenizer)
     calls = {"fp8_weight_only_gemm": 0, "fp8_gated_gemm": 0}
     for name in calls:
-        kernel = getattr(skinny, name)
+        kernel = getattr(decode, name)
 
         def counted(*args, _kernel=kernel, _name=name, **kwargs):
             calls[_name] += 1
             return _kernel(*args, **kwargs)
 
-        monkeypatch.setattr(skinny, name, counted)
+        monkeypatch.setattr(decode, name, counted)
     for bucket in (1, 2, 4):
         for kind, shape in (
             ("weight_only", (256, 256)),  # o_proj
