@@ -225,3 +225,32 @@ def test_skinny_sweep_builds_only_launches_the_kernels_take(kind):
     if kind in fp8_skinny.DECODE_KINDS:
         assert all(c.get("split_k", 1) == 1 for c in configs)
         assert sorted(map(str, fma + wgmma)) == sorted(map(str, configs))
+
+
+def test_fp8_accuracy_compares_a_variant_with_its_reference(tmp_path):
+    """benchmarks/fp8_accuracy.py's comparison: the reference against itself is exact; the model
+    with FP8 weights and head is not, and its teacher-forced run sees the reference's tokens."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests" / "models"))
+    import fp8_accuracy
+    from model_helpers import save_scaled_tiny_llama
+
+    from v1_engine.attention.selector import get_attn_backend
+    from v1_engine.models.loader import get_model, load_hf_config
+
+    save_scaled_tiny_llama(tmp_path)
+
+    def build(quantization=None, quantize_lm_head=False):
+        return get_model(load_hf_config(tmp_path), tmp_path, dtype=torch.float32,
+                         device=torch.device("cpu"), load_format="auto", seed=0,
+                         quantization=quantization, quantize_lm_head=quantize_lm_head)  # fmt: skip
+
+    reference, backend, f32 = build(), get_attn_backend(torch.device("cpu")), torch.float32
+    prompt = [3, 17, 42, 5]
+    same = fp8_accuracy.compare_prompt(reference, reference, backend, f32, f32, prompt, 6)
+    assert (same.max_abs_diff, same.top1_agree, same.common_prefix) == (0.0, 6, 6)
+    head = build("fp8", quantize_lm_head=True)
+    fp8 = fp8_accuracy.compare_prompt(reference, head, backend, f32, f32, prompt, 6)
+    assert fp8.max_abs_diff > 0.0 and fp8.num_tokens == 6 and fp8.num_elements == 6 * 256
+    assert fp8.common_prefix <= fp8.top1_agree <= 6

@@ -1,15 +1,18 @@
-"""FP8 KV cache accuracy: logits and greedy tokens with an e4m3 cache against the model-dtype cache.
+"""FP8 accuracy: logits and greedy tokens of an FP8 variant of the model against the model dtype.
 
-For each prompt the model runs over its own paged cache, first with the cache in the model dtype
-(bf16 on a GPU, float32 on the CPU), decoding greedily: that sequence is the reference. Then the
-same prompt and the same tokens run again (teacher forcing) over an fp8 cache with the layers'
-scales (1.0 unless set). Per generated position it compares the logits (max and mean |difference|)
-and the argmax (top-1 agreement). The fp8 engine decoding greedily on its own would produce the
-reference tokens exactly up to the first position whose argmax differs, so the common greedy
-prefix is read off the same run.
+Variants (`--variant`): `kv` an e4m3 KV cache with the layers' scales (1.0 unless set), the
+weights as stored; `weights` the linear layers quantized to FP8 at load (quantization="fp8"),
+the LM head in the model dtype; `head` those and the LM head too (quantize_lm_head=True).
 
-    python benchmarks/fp8_kv_accuracy.py                 # default model, 8 prompts x 64 tokens
-    python benchmarks/fp8_kv_accuracy.py --model DIR --max-tokens 128 --append
+For each prompt the reference model (model-dtype weights and cache: bf16 on a GPU, float32 on
+the CPU) runs over its own paged cache, decoding greedily: that sequence is the reference. Then
+the variant runs the same prompt and the same tokens (teacher forcing). Per generated position
+it compares the logits (max and mean |difference|) and the argmax (top-1 agreement). The
+variant decoding greedily on its own would produce the reference tokens exactly up to the first
+position whose argmax differs, so the common greedy prefix is read off the same run.
+
+    python benchmarks/fp8_accuracy.py                    # kv, default model, 8 prompts x 64 tokens
+    python benchmarks/fp8_accuracy.py --variant head --model DIR --max-tokens 128 --append
 
 The last line printed is a markdown table row for benchmarks/RESULTS.md (--append writes a dated
 section there).
@@ -122,17 +125,29 @@ class PromptResult:
     num_tokens: int
 
 
+VARIANTS = {
+    "kv": "fp8 vs {dtype} KV cache",
+    "weights": "FP8 vs {dtype} weights (LM head {dtype})",
+    "head": "FP8 vs {dtype} weights and LM head",
+}
+"""--variant: the row's label."""
+
+
 def compare_prompt(
+    reference_model: torch.nn.Module,
     model: torch.nn.Module,
     backend,
     model_dtype: torch.dtype,
+    cache_dtype: torch.dtype,
     prompt: list[int],
     max_tokens: int,
 ) -> PromptResult:
+    """`model` over a `cache_dtype` cache, teacher-forced on the greedy tokens of
+    `reference_model` over a model-dtype cache."""
     max_len = len(prompt) + max_tokens
-    reference = PagedRequest(model, backend, model_dtype, max_len)
+    reference = PagedRequest(reference_model, backend, model_dtype, max_len)
     tokens, ref_logits = run_sequence(reference, prompt, max_tokens, forced=None)
-    fp8 = PagedRequest(model, backend, torch.float8_e4m3fn, max_len)
+    fp8 = PagedRequest(model, backend, cache_dtype, max_len)
     _, fp8_logits = run_sequence(fp8, prompt, max_tokens, forced=tokens)
     diff = (fp8_logits - ref_logits).abs()
     agree = (fp8_logits.argmax(-1) == ref_logits.argmax(-1)).tolist()
@@ -149,6 +164,7 @@ def compare_prompt(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variant", default="kv", choices=tuple(VARIANTS))
     parser.add_argument("--model", default=None, help="HF model directory (default model)")
     parser.add_argument("--dtype", default="auto", help="model dtype (auto: bf16 CUDA, fp32 CPU)")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -159,9 +175,18 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(args.dtype, device)
     path = resolve_model_path(args.model)
-    model = get_model(
-        load_hf_config(path), path, dtype=dtype, device=device, load_format="auto", seed=0
-    )
+
+    def build(quantization: str | None = None, quantize_lm_head: bool = False):
+        return get_model(load_hf_config(path), path, dtype=dtype, device=device,
+                         load_format="auto", seed=0, quantization=quantization,
+                         quantize_lm_head=quantize_lm_head)  # fmt: skip
+
+    reference = build()
+    model, cache_dtype = reference, dtype
+    if args.variant == "kv":
+        cache_dtype = torch.float8_e4m3fn
+    else:
+        model = build("fp8", quantize_lm_head=args.variant == "head")
     backend = get_attn_backend(device)
     tokenizer = get_tokenizer(path)
     prompts = [tokenizer.encode(p) for p in PROMPTS[: args.num_prompts]]
@@ -170,7 +195,7 @@ def main() -> None:
     print("| prompt | max abs diff | mean abs diff | top-1 agreement | common greedy prefix |")
     print("|---|---|---|---|---|")
     for index, prompt in enumerate(prompts):
-        r = compare_prompt(model, backend, dtype, prompt, args.max_tokens)
+        r = compare_prompt(reference, model, backend, dtype, cache_dtype, prompt, args.max_tokens)
         results.append(r)
         print(
             f"| {index} | {r.max_abs_diff:.3f} | {r.sum_abs_diff / r.num_elements:.4f} | "
@@ -182,14 +207,15 @@ def main() -> None:
     top1 = sum(r.top1_agree for r in results) / total
     prefix = sum(r.common_prefix for r in results) / total
     model_name = Path(path).name if args.model else "default model (SmolLM2-135M-Instruct)"
+    label = VARIANTS[args.variant].format(dtype=str(dtype).removeprefix("torch."))
     row = (
-        f"| fp8 vs {str(dtype).removeprefix('torch.')} KV cache, {model_name}, {device.type}, "
+        f"| {label}, {model_name}, {device.type}, "
         f"{len(prompts)} prompts x {args.max_tokens} tokens | max abs logit diff {max_diff:.3f}, "
         f"mean abs logit diff {mean_diff:.4f}, teacher-forced top-1 agreement {top1:.3f}, common "
-        f"greedy prefix {prefix:.3f} | `python benchmarks/fp8_kv_accuracy.py` |"
+        f"greedy prefix {prefix:.3f} | `python benchmarks/fp8_accuracy.py --variant {args.variant}` |"
     )
     if args.append:
-        append_results("fp8 KV cache accuracy", " ".join(sys.argv), row)
+        append_results(f"FP8 accuracy ({args.variant})", " ".join(sys.argv), row)
     print()
     print(row)
 
