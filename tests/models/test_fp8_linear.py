@@ -222,6 +222,13 @@ def test_quantize_lm_head_needs_fp8_linear_layers_and_an_lm_head(scaled_dir, mon
         def __init__(self, config) -> None:
             super().__init__()
 
+    # Refused before anything is allocated, so checkable without a GPU.
+    odd = load_hf_config(scaled_dir)
+    odd.vocab_size = 250
+    with pytest.raises(ValueError, match=r"vocab_size that is a multiple of 16 on CUDA .* got 250"):
+        get_model(odd, scaled_dir, dtype=torch.bfloat16, device=torch.device("cuda"),
+                  load_format="dummy", seed=0, quantization="fp8", quantize_lm_head=True)  # fmt: skip
+
     monkeypatch.setattr(loader, "get_model_class", lambda config: HeadlessModel)
     with pytest.raises(ValueError, match=r"`lm_head` is an LMHead; HeadlessModel has none"):
         load(scaled_dir, "fp8", quantize_lm_head=True)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from v1_engine.kernels.fp8 import GEMM_ALIGNMENT
 from v1_engine.layers.embedding import LMHead
 from v1_engine.layers.linear import Linear
 from v1_engine.layers.quantization import (
@@ -192,6 +193,12 @@ def get_model(
     if quantize_lm_head and quant_config is None:
         raise ValueError(
             "quantize_lm_head needs FP8 linear layers: quantization='fp8' or an FP8 checkpoint"
+        )
+    vocab = getattr(hf_config, "vocab_size", 0)
+    if quantize_lm_head and torch.device(device).type == "cuda" and vocab % GEMM_ALIGNMENT:
+        raise ValueError(
+            f"quantize_lm_head needs a vocab_size that is a multiple of {GEMM_ALIGNMENT} on CUDA "
+            f"(the FP8 GEMM's alignment), got {vocab}"
         )
     with _default_dtype(dtype), torch.device(device):
         with set_quant_config(quant_config):
