@@ -125,8 +125,9 @@ def fp8_gated_mlp_cuda(
         and skinny.prefers_fp8_skinny("gated", m, rows, k)
         and skinny.prefers_fp8_skinny("weight_only", m, w_down.shape[0], inner)
     ):
-        h = _decode().fp8_gated_gemm(q, w_gate_up, scale, s_gate_up, out_dtype)
-        return _decode().fp8_weight_only_gemm(h, w_down, s_down)
+        decode = _decode()
+        h = decode.fp8_gated_gemm(q, w_gate_up, scale, s_gate_up, out_dtype)
+        return decode.fp8_weight_only_gemm(h, w_down, s_down)
     gate_up = fp8._scaled_mm_cuda(q, w_gate_up, scale, s_gate_up, out_dtype).to(act_dtype)
     q_h, scale_h = _triton().silu_and_mul_quant(gate_up, None)
     return fp8._scaled_mm_cuda(q_h, w_down, scale_h, s_down, out_dtype)
