@@ -22,11 +22,10 @@ from safetensors.torch import load_file, save_file
 from v1_engine.config import EngineConfig
 from v1_engine.entrypoints.cli import engine_kwargs, make_parser
 from v1_engine.kernels.fp8 import FP8_DTYPE
-from v1_engine.layers.embedding import LMHead
 from v1_engine.layers.linear import Linear, MergedColumnLinear
 from v1_engine.layers.quantization import Fp8OnlineLinearMethod, set_quant_config
 from v1_engine.layers.quantization.fp8 import Fp8Config
-from v1_engine.models import get_model, load_hf_config, loader
+from v1_engine.models import get_model, load_hf_config
 
 PROMPT = list(range(3, 40, 3))
 NUM_GREEDY = 24
@@ -145,93 +144,6 @@ def test_fp8_forward_traces_as_one_graph(scaled_dir):
     torch._dynamo.reset()
     actual = PagedModelDriver(_CompiledForward(model)).step([("a", PROMPT)])[0]
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
-
-
-# ---- the opt-in FP8 LM head (quantize_lm_head) ---------------------------------------------
-
-
-def test_fp8_lm_head_is_quantized_per_vocab_row(scaled_dir):
-    fp8, fp8_head = load(scaled_dir, "fp8"), load(scaled_dir, "fp8", quantize_lm_head=True)
-    head = fp8_head.lm_head
-    vocab, hidden = fp8.lm_head.weight.shape
-    assert head.weight.dtype == FP8_DTYPE and head.weight.shape == (vocab, hidden)
-    assert head.weight_scale.dtype == torch.float32 and head.weight_scale.shape == (vocab, 1)
-    assert fp8_head.model.embed_tokens.weight.dtype == torch.float32
-    assert fp8.lm_head.weight.dtype == torch.float32  # off by default
-    # float32 → e4m3 (3 bytes saved per weight) plus one float32 scale per vocab row.
-    assert param_bytes(fp8_head) == param_bytes(fp8) - 3 * vocab * hidden + 4 * vocab
-
-
-def test_lm_head_quantization_drops_the_loaded_weight_and_runs_once():
-    head = LMHead(48, 32)
-    head.weight.data.normal_()
-    original = weakref.ref(head.weight)
-    expected = head.weight.detach().clone()
-    head.quantize_fp8()
-    assert original() is None, "the high-precision weight is still referenced"
-    weight, scale = head.weight, head.weight_scale
-    head.quantize_fp8()
-    assert head.weight is weight and head.weight_scale is scale
-    error = (weight.float() * scale - expected).abs()
-    assert (error <= expected.abs().amax(1, keepdim=True) / 448 * 16).all()
-    x = torch.randn(3, 5, 32)
-    for dtype in (torch.float32, torch.bfloat16):  # the output keeps the input's dtype
-        assert head(x.to(dtype)).dtype == dtype
-    assert 1e-3 < relative_error(head(x), x @ expected.T) < 0.05
-
-
-def test_fp8_lm_head_logits_track_float32_and_differ_from_the_high_precision_head(scaled_dir):
-    """The head's GEMM adds its own ~3.5% RMS rounding (weight and activation in e4m3) to the
-    logits, undamped, on top of the FP8 layers' ~2.7%: measured 4.4%. Bound: 6%."""
-    expected = prompt_logits(load(scaled_dir))
-    fp8 = prompt_logits(load(scaled_dir, "fp8"))
-    actual = prompt_logits(load(scaled_dir, "fp8", quantize_lm_head=True))
-    error = relative_error(actual, expected)
-    assert error < 0.06, error
-    # Far above the bf16 rounding of the GEMM output (2^-9): the head really ran in FP8.
-    assert relative_error(actual, fp8) > 0.01
-    agree = (actual.argmax(-1) == expected.argmax(-1)).float().mean().item()
-    assert agree >= 0.9, agree
-
-
-def test_fp8_lm_head_of_a_tied_model_is_a_copy(tmp_path):
-    """The embedding keeps its float32 weight (the lookup still reads it); the head gets its
-    own e4m3 copy."""
-    save_scaled_tiny_llama(tmp_path, tie_word_embeddings=True)
-    stored = load_file(tmp_path / "model.safetensors")["model.embed_tokens.weight"]
-    ref = load(tmp_path)
-    model = load(tmp_path, "fp8", quantize_lm_head=True)
-    assert ref.lm_head.weight is ref.model.embed_tokens.weight
-    embedding = model.model.embed_tokens.weight
-    assert embedding.dtype == torch.float32 and torch.equal(embedding, stored)
-    assert model.lm_head.weight.dtype == FP8_DTYPE
-    dequantized = model.lm_head.weight.float() * model.lm_head.weight_scale
-    assert ((dequantized - stored).abs() <= stored.abs().amax(1, keepdim=True) / 448 * 16).all()
-    error = relative_error(prompt_logits(model), prompt_logits(ref))
-    assert 1e-3 < error < 0.06, error  # measured 4.0%, as untied
-
-
-def test_quantize_lm_head_needs_fp8_linear_layers_and_an_lm_head(scaled_dir, monkeypatch):
-    needs_fp8 = r"quantize_lm_head needs FP8 linear layers: quantization='fp8' or an FP8 checkpoint"
-    with pytest.raises(ValueError, match=needs_fp8):
-        load(scaled_dir, quantize_lm_head=True)
-    with pytest.raises(ValueError, match=r"quantize_lm_head must be a bool, got 'yes'"):
-        EngineConfig.from_kwargs(model=str(scaled_dir), quantize_lm_head="yes")
-
-    class HeadlessModel(torch.nn.Module):
-        def __init__(self, config) -> None:
-            super().__init__()
-
-    # Refused before anything is allocated, so checkable without a GPU.
-    odd = load_hf_config(scaled_dir)
-    odd.vocab_size = 250
-    with pytest.raises(ValueError, match=r"vocab_size that is a multiple of 16 on CUDA .* got 250"):
-        get_model(odd, scaled_dir, dtype=torch.bfloat16, device=torch.device("cuda"),
-                  load_format="dummy", seed=0, quantization="fp8", quantize_lm_head=True)  # fmt: skip
-
-    monkeypatch.setattr(loader, "get_model_class", lambda config: HeadlessModel)
-    with pytest.raises(ValueError, match=r"`lm_head` is an LMHead; HeadlessModel has none"):
-        load(scaled_dir, "fp8", quantize_lm_head=True)
 
 
 # ---- FP8 checkpoints in the Hugging Face format ------------------------------------------
@@ -469,13 +381,6 @@ def test_quantization_flag_reaches_the_engine_config():
         make_parser().parse_args(["--quantization", "int8"])
 
 
-def test_quantize_lm_head_flag_reaches_the_engine_config():
-    args = make_parser().parse_args(["--quantization", "fp8", "--quantize-lm-head"])
-    assert EngineConfig.from_kwargs(**engine_kwargs(args)).model_config.quantize_lm_head is True
-    default = EngineConfig.from_kwargs(**engine_kwargs(make_parser().parse_args([])))
-    assert default.model_config.quantize_lm_head is False
-
-
 def test_llm_with_quantization_fp8_serves_the_quantized_model(tmp_path, default_tokenizer):
     """End to end through LLM (scheduler, runner, sampler): FP8 weights, and the greedy tokens
     of the driver-run FP8 model."""
@@ -488,21 +393,6 @@ def test_llm_with_quantization_fp8_serves_the_quantized_model(tmp_path, default_
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     [output] = llm.generate([PROMPT], params, use_tqdm=False)
     assert list(output.outputs[0].token_ids) == greedy(load(tmp_path, "fp8"), 8)
-
-
-def test_llm_with_quantize_lm_head_serves_the_fp8_head(tmp_path, default_tokenizer):
-    """Through LLM: the head is FP8 and the greedy tokens are those of the driver-run model
-    with the FP8 head, twice over."""
-    from v1_engine import LLM, SamplingParams
-
-    save_scaled_tiny_llama(tmp_path, vocab_size=len(default_tokenizer), tokenizer=default_tokenizer)
-    kwargs = {"quantization": "fp8", "quantize_lm_head": True}
-    llm = LLM(str(tmp_path), max_model_len=128, num_kv_blocks=64, **kwargs)
-    assert llm.engine_core.model_runner.model.lm_head.weight.dtype == FP8_DTYPE
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    runs = [llm.generate([PROMPT], params, use_tqdm=False)[0] for _ in range(2)]
-    first, second = (list(run.outputs[0].token_ids) for run in runs)
-    assert first == second == greedy(load(tmp_path, "fp8", quantize_lm_head=True), 8)
 
 
 FP8_DECODE_PASSES = ["rms_norm_fp8_quant", "silu_and_mul_fp8_quant", "fp8_gated_mlp",
@@ -582,23 +472,6 @@ def test_fp8_on_cuda_tracks_bfloat16(scheme, tmp_path):
     assert error < 0.05
     linear_numel = 2 * (256 * 512 + 256 * 256 + 256 * 768 + 384 * 256)
     assert fp8_bytes <= ref_bytes - linear_numel * 0.9  # bf16 → e4m3: one byte per weight saved
-
-
-@pytest.mark.gpu
-def test_fp8_lm_head_on_cuda_tracks_bfloat16(tmp_path):
-    """The FP8 head on CUDA (the Triton per-token quant and the FP8 GEMMs of kernels/fp8.py):
-    logits within the CPU test's FP8 bound of the bf16 model's, a byte per head weight saved
-    against the FP8 model with a bf16 head, and visibly not that model's logits."""
-    save_scaled_tiny_llama(tmp_path, hidden_size=256, intermediate_size=384, head_dim=64)
-    expected, _ = cuda_logits(tmp_path, None)
-    fp8, fp8_bytes = cuda_logits(tmp_path, "fp8")
-    actual, head_bytes = cuda_logits(tmp_path, "fp8", quantize_lm_head=True)
-    error = relative_error(actual, expected)
-    print(f"FP8 head: relative logits error {error:.4f}, weights {head_bytes} vs {fp8_bytes} bytes")
-    assert error < 0.06
-    assert relative_error(actual, fp8) > 0.01
-    vocab, hidden = 256, 256
-    assert head_bytes <= fp8_bytes - vocab * hidden * 0.9, (head_bytes, fp8_bytes)
 
 
 def save_cuda_sized_llama(path: Path, tokenizer) -> None:
