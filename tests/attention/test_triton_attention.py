@@ -20,6 +20,7 @@ from v1_engine.attention.cpu import CPUAttentionBackend, causal_attention, gathe
 from v1_engine.attention.selector import get_attn_backend
 from v1_engine.attention.triton_attn import TritonAttentionBackend
 from v1_engine.kernels import triton_attention as ta
+from v1_engine.kernels.semaphores import split_semaphores
 
 _CUDA = torch.cuda.is_available()
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
@@ -79,7 +80,9 @@ def reference(case: dict) -> torch.Tensor:
     return out
 
 
-def run_kernel(case: dict, num_splits: int | None = None) -> torch.Tensor:
+def run_kernel(
+    case: dict, num_splits: int | None = None, launch: dict[str, int] | None = None
+) -> torch.Tensor:
     output = torch.full_like(case["query"], float("nan"))
     ta.paged_attention(
         case["query"],
@@ -92,6 +95,7 @@ def run_kernel(case: dict, num_splits: int | None = None) -> torch.Tensor:
         case["scale"],
         output,
         num_splits=num_splits,
+        launch=launch,
     )
     return output
 
@@ -140,6 +144,26 @@ def test_interpreter_split_kv_matches_unsplit(num_splits):
     case = make_paged_case([1, 1, 2], [70, 3, 50], 4, 2, 16, 8, torch.float32, "cpu", seed=3)
     ref = reference(case)
     assert rel_error(run_kernel(case, num_splits=num_splits), ref) < 1e-5
+
+
+@interpreter_only
+@pytest.mark.parametrize(
+    "num_splits,min_tiles,pieces",
+    [(8, 1, 7), (16, 1, 7), (4, 1, 4), (16, 2, 4), (16, 4, 2), (2, 8, 1)],
+)
+def test_interpreter_split_pieces_merge_in_the_launch(num_splits, min_tiles, pieces):
+    """The last piece to arrive merges the others in the one launch, over more pieces than one
+    merge trip loads (7 > MERGE_CHUNK) or fewer; `split_min_tiles` sets how many pieces a
+    201-token context (7 tiles of 32) fills, and one piece is written with no merge. The result
+    is the same bits whichever piece arrived last, and every semaphore is zero again."""
+    case = make_paged_case([1, 1, 2], [200, 3, 50], 4, 2, 16, 8, torch.float32, "cpu", seed=5)
+    tiles = -(-201 // 32)
+    assert -(-tiles // max(-(-tiles // num_splits), min_tiles)) == pieces
+    launch = {"split_min_tiles": min_tiles}
+    out = run_kernel(case, num_splits=num_splits, launch=launch)
+    assert rel_error(out, reference(case)) < 1e-5
+    assert torch.equal(out, run_kernel(case, num_splits=num_splits, launch=launch))
+    assert int(split_semaphores(torch.device("cpu"), 1).count_nonzero()) == 0
 
 
 @interpreter_only

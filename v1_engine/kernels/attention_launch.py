@@ -76,7 +76,13 @@ def split_decode_tile(tile: int, max_query_len: int, programs: int, target_progr
     return tile
 
 
-LAUNCH_KEYS = ("block_m", "tile", "num_warps", "num_stages", "maxnreg")
+SPLIT_MIN_TILES = 2
+"""The fewest key tiles a split-KV piece gets. The decode graphs split for max_model_len (32
+pieces at batch 1 on 132 SMs), so at a short context most pieces would own one tile or none;
+with two, a 128-192-token context at 32-row tiles is two or three pieces, and one of up to 64
+tokens is not split at all."""
+
+LAUNCH_KEYS = ("block_m", "tile", "num_warps", "num_stages", "maxnreg", "split_min_tiles")
 """Keys `paged_attention`'s `launch` may override."""
 
 
