@@ -1,7 +1,7 @@
 """The Triton paged-attention kernels against the PyTorch reference.
 
 Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1) on tiny shapes, so
-CI checks their indexing, masks, block tables and split-KV merge; on a GPU the `gpu` cases run
+CI checks their indexing, masks, block tables and split-KV merge (in the launch); on a GPU the `gpu` cases run
 the compiled kernels on random shapes the models use. Outputs are poisoned with NaN first, so an
 unwritten element fails the comparison.
 """

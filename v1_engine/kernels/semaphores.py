@@ -1,5 +1,5 @@
 """Per-device semaphores of the kernels that finish their work in the program that arrives last
-(the split-K skinny GEMMs, the MLA decode kernel's split merge).
+(the split-K skinny GEMMs, the split-KV merges of paged attention and MLA decode).
 
 A program counts itself in on its tile's semaphore with an acq_rel atomic; the last to arrive
 finishes the tile and resets the semaphore to zero, so the buffer is all zeros between launches
