@@ -143,10 +143,10 @@ def sweep(
     # 64 x 1k; benchmarks/RESULTS.md).
     for maxnreg in (96, 80):
         results.append((time_us(launch={"maxnreg": maxnreg}), "", {"maxnreg": maxnreg}))
-    # The fewest key tiles a split-KV piece gets (the default's SPLIT_MIN_TILES, or 1 and 4).
-    for min_tiles in (1, 4):
-        launch = {"split_min_tiles": min_tiles}
-        results.append((time_us(launch=launch), "min tiles", launch))
+    # Split-KV pieces merged in the launch or by a second kernel, whichever the default is not.
+    for fused in (0, 1):
+        launch = {"fused_merge": fused}
+        results.append((time_us(launch=launch), "merge", launch))
     space = itertools.product((64, 32, 128, 16), (4, 8, 2), (2, 3, 1, 4), (None, 1, 2, 4, 8))
     start = time.perf_counter()
     for tile, warps, stages, splits in space:

@@ -147,23 +147,28 @@ def test_interpreter_split_kv_matches_unsplit(num_splits):
 
 
 @interpreter_only
-@pytest.mark.parametrize(
-    "num_splits,min_tiles,pieces",
-    [(8, 1, 7), (16, 1, 7), (4, 1, 4), (16, 2, 4), (16, 4, 2), (2, 8, 1)],
-)
-def test_interpreter_split_pieces_merge_in_the_launch(num_splits, min_tiles, pieces):
-    """The last piece to arrive merges the others in the one launch, over more pieces than one
-    merge trip loads (7 > MERGE_CHUNK) or fewer; `split_min_tiles` sets how many pieces a
-    201-token context (7 tiles of 32) fills, and one piece is written with no merge. The result
-    is the same bits whichever piece arrived last, and every semaphore is zero again."""
+@pytest.mark.parametrize("num_splits", [2, 4, 8, 16])
+@pytest.mark.parametrize("fused", [1, 0])
+def test_interpreter_split_pieces_merge_in_the_launch_or_a_second_kernel(num_splits, fused):
+    """Merged in the launch (the last piece to arrive merges), the pieces of a 201-token context
+    (7 tiles of 32) fill 2, 4 or all 7 of the launch's (more than one merge trip loads), those
+    of a 4-token one a single piece written directly (no merge), and 16 splits leave 9 pieces
+    empty; by the second kernel, every piece stores a partial. Either way the result matches
+    the reference, is the same bits on a second run whichever piece arrived last, and every
+    semaphore is zero again."""
     case = make_paged_case([1, 1, 2], [200, 3, 50], 4, 2, 16, 8, torch.float32, "cpu", seed=5)
-    tiles = -(-201 // 32)
-    assert -(-tiles // max(-(-tiles // num_splits), min_tiles)) == pieces
-    launch = {"split_min_tiles": min_tiles}
+    launch = {"fused_merge": fused}
     out = run_kernel(case, num_splits=num_splits, launch=launch)
     assert rel_error(out, reference(case)) < 1e-5
     assert torch.equal(out, run_kernel(case, num_splits=num_splits, launch=launch))
     assert int(split_semaphores(torch.device("cpu"), 1).count_nonzero()) == 0
+
+
+def test_fused_merge_by_query_tokens():
+    assert not ta.fused_merge_for(ta.FUSED_MERGE_MIN_TOKENS - 1, None)
+    assert ta.fused_merge_for(ta.FUSED_MERGE_MIN_TOKENS, None)
+    assert ta.fused_merge_for(1, {"fused_merge": 1})
+    assert not ta.fused_merge_for(64, {"fused_merge": 0, "tile": 32})
 
 
 @interpreter_only

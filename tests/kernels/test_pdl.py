@@ -16,6 +16,7 @@ PDL_KERNELS = {
     "_fp8_decode_kernel",
     "_fp8_skinny_kernel",
     "_group_quant_kernel",
+    "_merge_splits_kernel",
     "_mla_decode_kernel",
     "_moe_align_kernel",
     "_moe_gemm_kernel",

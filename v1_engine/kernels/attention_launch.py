@@ -76,13 +76,24 @@ def split_decode_tile(tile: int, max_query_len: int, programs: int, target_progr
     return tile
 
 
-SPLIT_MIN_TILES = 2
-"""The fewest key tiles a split-KV piece gets. The decode graphs split for max_model_len (32
-pieces at batch 1 on 132 SMs), so at a short context most pieces would own one tile or none;
-with two, a 128-192-token context at 32-row tiles is two or three pieces, and one of up to 64
-tokens is not split at all."""
+FUSED_MERGE_MIN_TOKENS = 2
+"""Split-KV pieces are merged in the attention launch (the last piece to arrive merges) from this
+many query tokens on, by a second kernel below it. H100, bf16 Llama-3-8B heads, decode graphs
+captured for 8192 (benchmarks/RESULTS.md, "Split-KV merge in the launch"): at batch 1 the
+merge kernel's 32 programs (one a head, every piece in one load) beat the one merging program
+of each kv head, which loads its pieces in trips (1 x 1k: 6.8 vs 11.1 us); at batch 4 x 1k and
+8 x 2k the merge in the launch wins (13.3 vs 15.0, 39.4 vs 47.3 us)."""
 
-LAUNCH_KEYS = ("block_m", "tile", "num_warps", "num_stages", "maxnreg", "split_min_tiles")
+
+def fused_merge_for(num_tokens: int, launch: dict[str, int] | None) -> bool:
+    """Whether a split launch merges its pieces itself: `launch["fused_merge"]` where given,
+    else from FUSED_MERGE_MIN_TOKENS query tokens on."""
+    if launch and "fused_merge" in launch:
+        return bool(launch["fused_merge"])
+    return num_tokens >= FUSED_MERGE_MIN_TOKENS
+
+
+LAUNCH_KEYS = ("block_m", "tile", "num_warps", "num_stages", "maxnreg", "fused_merge")
 """Keys `paged_attention`'s `launch` may override."""
 
 

@@ -14,12 +14,12 @@ host without reading any device tensor, and a program finds its request by binar
 Split-KV (flash-decoding). With few requests and long contexts, one program per (q-block, kv head)
 leaves most of the GPU idle. Then the KV range of each q-block is cut into `num_splits` pieces
 handled by separate programs, each writing a partial result normalised by its own softmax sum,
-with its running max and sum, and counting itself in on a semaphore per (q-block, kv head)
-(kernels/semaphores.py); the last to arrive merges the pieces in split order and zeroes the
-semaphore, in the same launch (a second merge kernel cost a launch a layer: 2.1 us of an H100's
-FP8 batch-1 step, RESULTS.md). A piece gets at least SPLIT_MIN_TILES key tiles, so a short
-context (the decode graphs split for max_model_len) fills only the first few pieces, the rest
-return at once, and a context of one piece's tiles is written directly, with no merge.
+with its running max and sum. From FUSED_MERGE_MIN_TOKENS query tokens on, each piece that owns
+a tile counts itself in on a semaphore per (q-block, kv head) (kernels/semaphores.py), and the
+last to arrive merges the pieces in split order and zeroes the semaphore, in the same launch;
+a short context (the decode graphs split for max_model_len) fills only the first pieces, the
+rest return at once, and a context of one piece is written directly. Below that (batch 1), a
+second kernel merges the pieces per (token, head), which measured faster there.
 
 Precision: scores and the softmax run in float32 (exp2 with the scale folded into log2 units);
 float32 inputs use IEEE dot products, 16-bit inputs the tensor cores with float32 accumulation.
@@ -45,19 +45,20 @@ import triton.language as tl
 from v1_engine.kernels import interpreting
 from v1_engine.kernels.attention_launch import (  # noqa: F401 - re-exported
     FP8_CACHE_DTYPE,
+    FUSED_MERGE_MIN_TOKENS,
     LAUNCH_KEYS,
-    SPLIT_MIN_TILES,
     SUPPORTED_DTYPES,
     attention_flops,
     check_args,
     check_paged_metadata,
     choose_num_splits,
+    fused_merge_for,
     launch_config,
     split_decode_tile,
     target_programs,
 )
 from v1_engine.kernels.cache_ops import check_fp8_scales
-from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
+from v1_engine.kernels.pdl import launch_options, pdl_enter, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
 from v1_engine.kernels.triton_cache import quantize_e4m3
 from v1_engine.kernels.triton_rope import (
@@ -88,14 +89,11 @@ def _find_request(query_start_loc_ptr, q_block_id, num_reqs, BLOCK_Q: tl.constex
 
 
 @triton.jit
-def split_tile_range(
-    num_tiles, split, num_splits, USE_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr = 1
-):
-    """The key tiles [lo, hi) split `split` of `num_splits` owns (whole tiles, at least
-    MIN_TILES of them where the context has that many, the last splits possibly empty); all of
-    them without splits. Shared with the MLA decode kernel."""
+def split_tile_range(num_tiles, split, num_splits, USE_SPLITS: tl.constexpr):
+    """The key tiles [lo, hi) split `split` of `num_splits` owns (whole tiles, the last splits
+    possibly empty); all of them without splits. Shared with the MLA decode kernel."""
     if USE_SPLITS:
-        per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_TILES)
+        per_split = tl.cdiv(num_tiles, num_splits)
         lo = split * per_split
         hi = tl.minimum(lo + per_split, num_tiles)
     else:
@@ -254,7 +252,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     TILE: tl.constexpr,
     USE_SPLITS: tl.constexpr,
-    SPLIT_MIN_TILES: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -281,9 +279,7 @@ def _paged_attention_kernel(
     # Keys visible to this q-block: positions up to its last token's (causal).
     last_local = tl.minimum(local_block * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_len = context_len + last_local + 1
-    tile_lo, tile_hi = split_tile_range(
-        tl.cdiv(kv_len, TILE), split, num_splits, USE_SPLITS, SPLIT_MIN_TILES
-    )
+    tile_lo, tile_hi = split_tile_range(tl.cdiv(kv_len, TILE), split, num_splits, USE_SPLITS)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     # Tiles wholly at or before the block's first query position need no mask (every row sees
     # every key there, all valid); only the tiles on the causal diagonal and the sequence's end
@@ -315,8 +311,9 @@ def _paged_attention_kernel(
     pdl_wait(PDL)
     if local_block * BLOCK_Q >= q_len:
         return
-    if USE_SPLITS:  # noqa: SIM102 - a constexpr branch around a runtime one
-        # A short context fills fewer pieces than the launch has: the rest own no tile.
+    if FUSED_MERGE:  # noqa: SIM102 - a constexpr branch around a runtime one
+        # A short context fills fewer pieces than the launch has: the rest own no tile and,
+        # merged here, need not store an empty partial.
         if tile_lo >= tile_hi:
             return
     rows = tl.arange(0, BLOCK_M)
@@ -394,8 +391,8 @@ def _paged_attention_kernel(
     if KV_FP8:
         result = result * tl.load(v_scale_ptr)
     out_rows = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    if USE_SPLITS:
-        active = _active_splits(tl.cdiv(kv_len, TILE), num_splits, SPLIT_MIN_TILES)
+    if FUSED_MERGE:
+        active = _active_splits(tl.cdiv(kv_len, TILE), num_splits)
         if active == 1:  # the whole range in this program: no partials
             tl.store(out_rows, result.to(out_ptr.dtype.element_ty), mask=q_mask)
         else:
@@ -418,14 +415,23 @@ def _paged_attention_kernel(
                                        row_valid, dims, active, HEAD_PAD, BLOCK_M)  # fmt: skip
                 tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=q_mask)
                 tl.atomic_xchg(semaphore, 0)  # zero again for the next launch
+    elif USE_SPLITS:  # every piece, empty ones too, stores its partial for `_merge_splits_kernel`
+        stat_off = (token * NUM_HEADS + head) * num_splits + split
+        tl.store(part_max_ptr + stat_off, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + stat_off, l_i, mask=row_valid)
+        tl.store(
+            part_out_ptr + stat_off[:, None] * HEAD_PAD + dims[None, :],
+            result,
+            mask=row_valid[:, None],
+        )
     else:
         tl.store(out_rows, result.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
-def _active_splits(num_tiles, num_splits, MIN_TILES: tl.constexpr):
+def _active_splits(num_tiles, num_splits):
     """How many pieces of `split_tile_range` own a tile."""
-    return tl.cdiv(num_tiles, tl.maximum(tl.cdiv(num_tiles, num_splits), MIN_TILES))
+    return tl.cdiv(num_tiles, tl.cdiv(num_tiles, num_splits))
 
 
 @triton.jit
@@ -455,6 +461,46 @@ def _merge_splits(part_out_ptr, part_max_ptr, part_sum_ptr, stat_base, row_valid
     return acc / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
 
 
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """out[t, h] = sum_s w_s * o_s / sum_s w_s with w_s = l_s * 2^(m_s - max_s m_s)."""
+    pdl_enter(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < num_splits
+    stat_off = (token * NUM_HEADS + head) * num_splits + splits
+    m = tl.load(part_max_ptr + stat_off, mask=split_valid, other=-1.0e30)
+    l_sum = tl.load(part_sum_ptr + stat_off, mask=split_valid, other=0.0)
+    weights = tl.exp2(m - tl.max(m, 0)) * l_sum
+    total = tl.sum(weights, 0)
+    dims = tl.arange(0, HEAD_PAD)
+    parts = tl.load(
+        part_out_ptr + stat_off[:, None] * HEAD_PAD + dims[None, :],
+        mask=split_valid[:, None],
+        other=0.0,
+    )
+    merged = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + dims,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_SIZE,
+    )
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -480,8 +526,8 @@ def paged_attention(
     (None picks it from the shape). A float8_e4m3fn cache holds K / k_scale and V / v_scale
     (float32 [1] tensors, required then); a cache in the query's dtype ignores the scales.
     `launch` overrides the launch configuration (keys block_m, tile, num_warps, num_stages,
-    maxnreg: a cap on registers per thread, so more programs fit an SM; split_min_tiles: the
-    fewest key tiles a split-KV piece gets; tuning).
+    maxnreg: a cap on registers per thread, so more programs fit an SM; fused_merge: 1 / 0 to
+    merge split-KV pieces in the launch or in a second kernel; tuning).
 
     `rope` = (key, value, positions, cos_cache, sin_cache, is_neox_style, slot_mapping), decode
     steps only (max_query_len 1): query and key arrive not yet rotated (views of the QKV GEMM
@@ -518,13 +564,11 @@ def paged_attention(
     head_pad = max(16, triton.next_power_of_2(head_size))
     block_m, tile, num_warps = launch_config(query.dtype, head_pad, group_pad, max_query_len)
     num_stages = 2
-    split_min_tiles = SPLIT_MIN_TILES
     options = {}
     if launch:
         unknown = set(launch) - set(LAUNCH_KEYS)
         if unknown:
             raise ValueError(f"launch keys must be among {LAUNCH_KEYS}; got {sorted(unknown)}")
-        split_min_tiles = launch.get("split_min_tiles", split_min_tiles)
         block_m = max(launch.get("block_m", block_m), group_pad)
         tile = launch.get("tile", tile)
         num_warps = launch.get("num_warps", num_warps)
@@ -550,8 +594,13 @@ def paged_attention(
             (num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
         )
         part_sum = torch.empty_like(part_max)
-        arrivals = split_semaphores(query.device, num_q_blocks * num_kv_heads)
+        fused_merge = fused_merge_for(num_tokens, launch)
+        if fused_merge:
+            arrivals = split_semaphores(query.device, num_q_blocks * num_kv_heads)
+        else:
+            arrivals = output  # unused by the kernel
     else:
+        fused_merge = False
         part_out = part_max = part_sum = arrivals = output  # unused by the kernel
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     # The interpreter multiplies bfloat16 blocks as their raw bits: upcast there.
@@ -593,7 +642,7 @@ def paged_attention(
         BLOCK_M=block_m,
         TILE=tile,
         USE_SPLITS=use_splits,
-        SPLIT_MIN_TILES=split_min_tiles,
+        FUSED_MERGE=fused_merge,
         DOT_PRECISION="ieee" if dot_f32 else "tf32",
         DOT_F32=dot_f32,
         KV_FP8=kv_fp8,
@@ -604,3 +653,19 @@ def paged_attention(
         **options,
         **launch_options(query.device),
     )
+    if use_splits and not fused_merge:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            output,
+            part_out,
+            part_max,
+            part_sum,
+            num_splits,
+            output.stride(0),
+            output.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_SIZE=head_size,
+            HEAD_PAD=head_pad,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4 if head_pad >= 128 else 2,
+            **launch_options(query.device),
+        )
