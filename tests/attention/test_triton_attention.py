@@ -164,11 +164,12 @@ def test_interpreter_split_pieces_merge_in_the_launch_or_a_second_kernel(num_spl
     assert int(split_semaphores(torch.device("cpu"), 1).count_nonzero()) == 0
 
 
-def test_fused_merge_by_query_tokens():
-    assert not ta.fused_merge_for(ta.FUSED_MERGE_MIN_TOKENS - 1, None)
-    assert ta.fused_merge_for(ta.FUSED_MERGE_MIN_TOKENS, None)
-    assert ta.fused_merge_for(1, {"fused_merge": 1})
-    assert not ta.fused_merge_for(64, {"fused_merge": 0, "tile": 32})
+def test_fused_merge_by_split_count():
+    assert ta.fused_merge_for(ta.FUSED_MERGE_MAX_SPLITS, None)
+    assert ta.fused_merge_for(2, None)
+    assert not ta.fused_merge_for(ta.FUSED_MERGE_MAX_SPLITS * 2, None)
+    assert ta.fused_merge_for(32, {"fused_merge": 1})
+    assert not ta.fused_merge_for(4, {"fused_merge": 0, "tile": 32})
 
 
 @interpreter_only

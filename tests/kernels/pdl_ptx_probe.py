@@ -124,18 +124,21 @@ def _launch_all() -> None:
     )
     kv_cache = torch.zeros(2, 4, 16, 2, 64, dtype=bf16)
     seq_lens = torch.tensor([40], dtype=torch.int32)
-    triton_attention.paged_attention(
-        q[:1],
-        kv_cache,
-        torch.tensor([[0, 1, 2]], dtype=torch.int32),
-        seq_lens,
-        torch.tensor([0, 1], dtype=torch.int32),
-        1,
-        40,
-        0.125,
-        torch.empty_like(q[:1]),
-        num_splits=2,
-    )
+    # Split twice: merged by `_merge_splits_kernel`, then in the launch (the kernel checked).
+    for fused in (0, 1):
+        triton_attention.paged_attention(
+            q[:1],
+            kv_cache,
+            torch.tensor([[0, 1, 2]], dtype=torch.int32),
+            seq_lens,
+            torch.tensor([0, 1], dtype=torch.int32),
+            1,
+            40,
+            0.125,
+            torch.empty_like(q[:1]),
+            num_splits=2,
+            launch={"fused_merge": fused},
+        )
     heads, rank, rope = 16, 64, 16
     latent_cache = torch.zeros(4, 16, rank + rope, dtype=bf16)
     triton_cache.write_latent_cache(

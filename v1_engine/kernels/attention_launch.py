@@ -76,21 +76,23 @@ def split_decode_tile(tile: int, max_query_len: int, programs: int, target_progr
     return tile
 
 
-FUSED_MERGE_MIN_TOKENS = 2
-"""Split-KV pieces are merged in the attention launch (the last piece to arrive merges) from this
-many query tokens on, by a second kernel below it. H100, bf16 Llama-3-8B heads, decode graphs
-captured for 8192 (benchmarks/RESULTS.md, "Split-KV merge in the launch"): at batch 1 the
-merge kernel's 32 programs (one a head, every piece in one load) beat the one merging program
-of each kv head, which loads its pieces in trips (1 x 1k: 6.8 vs 11.1 us); at batch 4 x 1k and
-8 x 2k the merge in the launch wins (13.3 vs 15.0, 39.4 vs 47.3 us)."""
+FUSED_MERGE_MAX_SPLITS = 8
+"""Split-KV pieces are merged in the attention launch (the last piece of a q-block and kv head
+to arrive merges them, MERGE_CHUNK pieces a trip) up to this many splits, by a second kernel
+above it (one program a (token, head), every piece in one load). H100, bf16 Llama-3-8B heads,
+decode graphs captured for 8192 (`sweep_attention.py --graph-len 8192`, us; benchmarks/
+RESULTS.md, "Split-KV merge in the launch"): 32 splits (batch 1) 1 x 1k 13.5 in the launch
+vs 6.7, 1 x 4k 18.2 vs 11.5; 16 (batch 2) 2 x 1k 11.9 vs 9.0; 8 (batch 4) 4 x 4k 40.4 vs 45.6;
+4 (batch 8) 8 x 1k 20.1 vs 26.0, 8 x 4k 69.6 vs 84.2; 2 (batch 16 / 32) 16 x 4k 106.9 vs 103.5,
+32 x 4k 187.8 vs 190.2."""
 
 
-def fused_merge_for(num_tokens: int, launch: dict[str, int] | None) -> bool:
+def fused_merge_for(num_splits: int, launch: dict[str, int] | None) -> bool:
     """Whether a split launch merges its pieces itself: `launch["fused_merge"]` where given,
-    else from FUSED_MERGE_MIN_TOKENS query tokens on."""
+    else up to FUSED_MERGE_MAX_SPLITS splits."""
     if launch and "fused_merge" in launch:
         return bool(launch["fused_merge"])
-    return num_tokens >= FUSED_MERGE_MIN_TOKENS
+    return num_splits <= FUSED_MERGE_MAX_SPLITS
 
 
 LAUNCH_KEYS = ("block_m", "tile", "num_warps", "num_stages", "maxnreg", "fused_merge")

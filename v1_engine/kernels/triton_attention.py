@@ -14,12 +14,12 @@ host without reading any device tensor, and a program finds its request by binar
 Split-KV (flash-decoding). With few requests and long contexts, one program per (q-block, kv head)
 leaves most of the GPU idle. Then the KV range of each q-block is cut into `num_splits` pieces
 handled by separate programs, each writing a partial result normalised by its own softmax sum,
-with its running max and sum. From FUSED_MERGE_MIN_TOKENS query tokens on, each piece that owns
-a tile counts itself in on a semaphore per (q-block, kv head) (kernels/semaphores.py), and the
-last to arrive merges the pieces in split order and zeroes the semaphore, in the same launch;
-a short context (the decode graphs split for max_model_len) fills only the first pieces, the
-rest return at once, and a context of one piece is written directly. Below that (batch 1), a
-second kernel merges the pieces per (token, head), which measured faster there.
+with its running max and sum. Up to FUSED_MERGE_MAX_SPLITS pieces, each piece that owns a tile
+counts itself in on a semaphore per (q-block, kv head) (kernels/semaphores.py), and the last to
+arrive merges the pieces in split order and zeroes the semaphore, in the same launch; a short
+context (the decode graphs split for max_model_len) fills only the first pieces, the rest
+return at once, and a context of one piece is written directly. With more pieces (batch 1 and
+2 on 132 SMs), a second kernel merges them per (token, head), which measured faster there.
 
 Precision: scores and the softmax run in float32 (exp2 with the scale folded into log2 units);
 float32 inputs use IEEE dot products, 16-bit inputs the tensor cores with float32 accumulation.
@@ -45,7 +45,7 @@ import triton.language as tl
 from v1_engine.kernels import interpreting
 from v1_engine.kernels.attention_launch import (  # noqa: F401 - re-exported
     FP8_CACHE_DTYPE,
-    FUSED_MERGE_MIN_TOKENS,
+    FUSED_MERGE_MAX_SPLITS,
     LAUNCH_KEYS,
     SUPPORTED_DTYPES,
     attention_flops,
@@ -594,7 +594,7 @@ def paged_attention(
             (num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
         )
         part_sum = torch.empty_like(part_max)
-        fused_merge = fused_merge_for(num_tokens, launch)
+        fused_merge = fused_merge_for(num_splits, launch)
         if fused_merge:
             arrivals = split_semaphores(query.device, num_q_blocks * num_kv_heads)
         else:
