@@ -401,13 +401,8 @@ def _paged_attention_kernel(
             # publishes them; its acquire in the last program to arrive makes the other splits'
             # visible there, and that program merges (loads past L1: .cg).
             stat_off = (token * NUM_HEADS + head) * num_splits + split
-            tl.store(part_max_ptr + stat_off, m_i, mask=row_valid)
-            tl.store(part_sum_ptr + stat_off, l_i, mask=row_valid)
-            tl.store(
-                part_out_ptr + stat_off[:, None] * HEAD_PAD + dims[None, :],
-                result,
-                mask=row_valid[:, None],
-            )
+            _store_partial(part_out_ptr, part_max_ptr, part_sum_ptr, stat_off, m_i, l_i, result,
+                           row_valid, dims, HEAD_PAD)  # fmt: skip
             tl.debug_barrier()
             semaphore = arrivals_ptr + q_block_id * tl.num_programs(1) + kv_head
             if tl.atomic_add(semaphore, 1, sem="acq_rel") == active - 1:
@@ -417,15 +412,21 @@ def _paged_attention_kernel(
                 tl.atomic_xchg(semaphore, 0)  # zero again for the next launch
     elif USE_SPLITS:  # every piece, empty ones too, stores its partial for `_merge_splits_kernel`
         stat_off = (token * NUM_HEADS + head) * num_splits + split
-        tl.store(part_max_ptr + stat_off, m_i, mask=row_valid)
-        tl.store(part_sum_ptr + stat_off, l_i, mask=row_valid)
-        tl.store(
-            part_out_ptr + stat_off[:, None] * HEAD_PAD + dims[None, :],
-            result,
-            mask=row_valid[:, None],
-        )
+        _store_partial(part_out_ptr, part_max_ptr, part_sum_ptr, stat_off, m_i, l_i, result,
+                       row_valid, dims, HEAD_PAD)  # fmt: skip
     else:
         tl.store(out_rows, result.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _store_partial(part_out_ptr, part_max_ptr, part_sum_ptr, stat_off, m_i, l_i, result,
+                   row_valid, dims, HEAD_PAD: tl.constexpr):  # fmt: skip
+    """A piece's rows: normalised output, running max and sum at `stat_off` of the partials."""
+    tl.store(part_max_ptr + stat_off, m_i, mask=row_valid)
+    tl.store(part_sum_ptr + stat_off, l_i, mask=row_valid)
+    tl.store(
+        part_out_ptr + stat_off[:, None] * HEAD_PAD + dims[None, :], result, mask=row_valid[:, None]
+    )
 
 
 @triton.jit
