@@ -8,7 +8,7 @@
 # $OUT (the device tool's output folder) or benchmarks/logs/.
 # Knobs: BENCH_MODEL (a folder of benchmarks/configs, default llama3-8b), LATENCY_ARGS,
 # THROUGHPUT_ARGS (extra flags), SUITE_STAGES (any of: tests latency throughput startup fp8
-# deepseek profile sweeps fp8tests fp8decode fp8ab fp8goal; default the first three). `sweeps` runs
+# deepseek profile sweeps fp8tests fp8decode fp8ab fp8goal modes mergeab; default the first three). `sweeps` runs
 # the launch sweeps of the skinny GEMM and the attention kernel: paste their tables. The FP8
 # decode stages, each meant for one 10-minute device call: `fp8tests` the GPU tests of the
 # FP8 decode kernels, ops and passes; `fp8decode` their sweeps at M 1 / 2 / 4 into one table
@@ -16,6 +16,10 @@
 # with that file (and with the opt-in decode passes), alternating, and the per-shape FP8 GEMM
 # table at M = 1 without and with it (bring the file back as GEMM_TABLES); `fp8goal` bf16 and
 # FP8 batch 1 (also with the FP8 LM head and fp8_dynamic_linear), each in GOAL_PROCS processes.
+# `modes` profiles batch 1 (bf16, FP8, FP8 + fp8_dynamic_linear) in GOAL_PROCS rounds, one process
+# each, for the per-process slow mode: a slow process whose kernel sum stays is waiting on the
+# host. `mergeab` times decode at batch 4 / 8 with long contexts with the split-KV merge in the
+# attention launch and with the merge kernel (FUSED_MERGE_MAX_SPLITS patched to 0), alternating.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=${OUT:-benchmarks/logs}
@@ -174,6 +178,38 @@ if [[ " $STAGES " == *" fp8goal "* ]]; then
   done
   { echo; echo "## fp8 batch-1 goal (bf16, FP8, + FP8 head, + fp8_dynamic_linear; by round)"
     grep -E "^### round|^\| 1 " "$LOG_DIR/fp8goal.log"; } >> "$summary"
+fi
+if [[ " $STAGES " == *" modes "* ]]; then
+  for round in $(seq "${GOAL_PROCS:-2}"); do
+    for variant in "" "--quantization fp8" \
+                   "--quantization fp8 --add-fusion-passes fp8_dynamic_linear"; do
+      echo "### round $round: ${variant:-bf16}" | tee -a "$LOG_DIR/modes.log"
+      # shellcheck disable=SC2086
+      python3 benchmarks/profile_decode.py --model "$MODEL" $variant --batch-sizes 1 --steps 16 \
+        --out-dir "$LOG_DIR/modes_${round}_${variant//[^a-z0-9]/_}" 2>&1 | tee -a "$LOG_DIR/modes.log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw \
+        --format=csv,noheader | tee -a "$LOG_DIR/modes.log"
+    done
+  done
+  { echo; echo "## batch-1 wall vs kernel time per process (modes)"
+    grep -E "^### round|^batch 1:|^decode step|MHz" "$LOG_DIR/modes.log"; } >> "$summary"
+fi
+if [[ " $STAGES " == *" mergeab "* ]]; then
+  variants="$LOG_DIR/mergeab.json"
+  python3 - "$variants" <<'PY'
+import json, sys
+off = [["v1_engine/kernels/attention_launch.py", "FUSED_MERGE_MAX_SPLITS = 8",
+        "FUSED_MERGE_MAX_SPLITS = 0"]]
+json.dump([["merge in the launch", []], ["merge kernel", off]] * 2, open(sys.argv[1], "w"))
+PY
+  for shape in "--batch-sizes 8 --input-len 4096" "--batch-sizes 4 --input-len 2048"; do
+    python3 benchmarks/ab_variants.py "$variants" "python3 benchmarks/latency.py --model $MODEL \
+      $shape --prefill-lens '' --decode-steps 32 --repeats 2" 2>&1 | tee -a "$LOG_DIR/mergeab.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+  { echo; echo "## split-KV merge in the launch vs the merge kernel (mergeab)"
+    grep -E "^== |^ *\| [0-9]" "$LOG_DIR/mergeab.log"; } >> "$summary"
 fi
 cp benchmarks/RESULTS.md "$LOG_DIR/RESULTS.md" 2>/dev/null
 cat "$summary"
