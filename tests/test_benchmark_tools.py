@@ -254,3 +254,12 @@ def test_fp8_accuracy_compares_a_variant_with_its_reference(tmp_path):
     fp8 = fp8_accuracy.compare_prompt(reference, head, backend, f32, f32, prompt, 6)
     assert fp8.max_abs_diff > 0.0 and fp8.num_tokens == 6 and fp8.num_elements == 6 * 256
     assert fp8.common_prefix <= fp8.top1_agree <= 6
+
+
+def test_gpu_suite_patches_find_their_text():
+    """The suite's engine A/Bs patch source text on the device, where a patch that no longer
+    matches would cost a device call: each old text must still occur in its file."""
+    suite = (ROOT / "benchmarks" / "gpu_suite.sh").read_text()
+    launch = (ROOT / "v1_engine" / "kernels" / "attention_launch.py").read_text()
+    assert '"FUSED_MERGE_MAX_SPLITS = 8"' in suite
+    assert "\nFUSED_MERGE_MAX_SPLITS = 8\n" in launch
