@@ -58,7 +58,7 @@ from v1_engine.kernels.attention_launch import (  # noqa: F401 - re-exported
     target_programs,
 )
 from v1_engine.kernels.cache_ops import check_fp8_scales
-from v1_engine.kernels.pdl import launch_options, pdl_enter, pdl_release, pdl_wait
+from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
 from v1_engine.kernels.triton_cache import quantize_e4m3
 from v1_engine.kernels.triton_rope import (
@@ -67,10 +67,15 @@ from v1_engine.kernels.triton_rope import (
     rope_tables,
     rotate_rows,
 )
+from v1_engine.kernels.triton_split_kv import (
+    active_splits,
+    merge_pieces,
+    merge_pieces_in_program,
+    split_tile_range,
+    store_partial,
+)
 
 _LOG2E = 1.4426950408889634
-MERGE_CHUNK = tl.constexpr(4)
-"""Split pieces the merging program loads per trip (see `_merge_splits`)."""
 
 
 @triton.jit
@@ -86,20 +91,6 @@ def _find_request(query_start_loc_ptr, q_block_id, num_reqs, BLOCK_Q: tl.constex
         else:
             hi = mid
     return lo - 1
-
-
-@triton.jit
-def split_tile_range(num_tiles, split, num_splits, USE_SPLITS: tl.constexpr):
-    """The key tiles [lo, hi) split `split` of `num_splits` owns (whole tiles, the last splits
-    possibly empty); all of them without splits. Shared with the MLA decode kernel."""
-    if USE_SPLITS:
-        per_split = tl.cdiv(num_tiles, num_splits)
-        lo = split * per_split
-        hi = tl.minimum(lo + per_split, num_tiles)
-    else:
-        lo = 0
-        hi = num_tiles
-    return lo, hi
 
 
 @triton.jit
@@ -392,7 +383,7 @@ def _paged_attention_kernel(
         result = result * tl.load(v_scale_ptr)
     out_rows = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     if FUSED_MERGE:
-        active = _active_splits(tl.cdiv(kv_len, TILE), num_splits)
+        active = active_splits(tl.cdiv(kv_len, TILE), num_splits)
         if active == 1:  # the whole range in this program: no partials
             tl.store(out_rows, result.to(out_ptr.dtype.element_ty), mask=q_mask)
         else:
@@ -401,105 +392,23 @@ def _paged_attention_kernel(
             # publishes them; its acquire in the last program to arrive makes the other splits'
             # visible there, and that program merges (loads past L1: .cg).
             stat_off = (token * NUM_HEADS + head) * num_splits + split
-            _store_partial(part_out_ptr, part_max_ptr, part_sum_ptr, stat_off, m_i, l_i, result,
-                           row_valid, dims, HEAD_PAD)  # fmt: skip
+            store_partial(part_out_ptr, part_max_ptr, part_sum_ptr, stat_off, m_i, l_i, result,
+                          row_valid, dims, HEAD_PAD)  # fmt: skip
             tl.debug_barrier()
             semaphore = arrivals_ptr + q_block_id * tl.num_programs(1) + kv_head
             if tl.atomic_add(semaphore, 1, sem="acq_rel") == active - 1:
-                merged = _merge_splits(part_out_ptr, part_max_ptr, part_sum_ptr, stat_off - split,
-                                       row_valid, dims, active, HEAD_PAD, BLOCK_M)  # fmt: skip
+                merged = merge_pieces_in_program(
+                    part_out_ptr, part_max_ptr, part_sum_ptr, stat_off - split, row_valid, dims,
+                    active, HEAD_PAD, BLOCK_M,
+                )  # fmt: skip
                 tl.store(out_rows, merged.to(out_ptr.dtype.element_ty), mask=q_mask)
                 tl.atomic_xchg(semaphore, 0)  # zero again for the next launch
-    elif USE_SPLITS:  # every piece, empty ones too, stores its partial for `_merge_splits_kernel`
+    elif USE_SPLITS:  # every piece, empty ones too, stores its partial for `merge_pieces`
         stat_off = (token * NUM_HEADS + head) * num_splits + split
-        _store_partial(part_out_ptr, part_max_ptr, part_sum_ptr, stat_off, m_i, l_i, result,
-                       row_valid, dims, HEAD_PAD)  # fmt: skip
+        store_partial(part_out_ptr, part_max_ptr, part_sum_ptr, stat_off, m_i, l_i, result,
+                      row_valid, dims, HEAD_PAD)  # fmt: skip
     else:
         tl.store(out_rows, result.to(out_ptr.dtype.element_ty), mask=q_mask)
-
-
-@triton.jit
-def _store_partial(part_out_ptr, part_max_ptr, part_sum_ptr, stat_off, m_i, l_i, result,
-                   row_valid, dims, HEAD_PAD: tl.constexpr):  # fmt: skip
-    """A piece's rows: normalised output, running max and sum at `stat_off` of the partials."""
-    tl.store(part_max_ptr + stat_off, m_i, mask=row_valid)
-    tl.store(part_sum_ptr + stat_off, l_i, mask=row_valid)
-    tl.store(
-        part_out_ptr + stat_off[:, None] * HEAD_PAD + dims[None, :], result, mask=row_valid[:, None]
-    )
-
-
-@triton.jit
-def _active_splits(num_tiles, num_splits):
-    """How many pieces of `split_tile_range` own a tile."""
-    return tl.cdiv(num_tiles, tl.cdiv(num_tiles, num_splits))
-
-
-@triton.jit
-def _merge_splits(part_out_ptr, part_max_ptr, part_sum_ptr, stat_base, row_valid, dims, active,
-                  HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-    """sum_s w_s * o_s / sum_s w_s over the `active` splits of each row, w_s = l_s * 2^(m_s -
-    max m), in split order (the same result whichever split arrived last). MERGE_CHUNK pieces
-    are loaded per trip, independent loads in flight together; more would hold as many
-    [BLOCK_M, HEAD_PAD] float32 tiles in registers at once."""
-    m_run = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    for s0 in range(0, active, MERGE_CHUNK):
-        for i in tl.static_range(MERGE_CHUNK):
-            ok = row_valid & (tl.full([BLOCK_M], s0 + i, tl.int32) < active)
-            off = stat_base + s0 + i
-            m = tl.load(part_max_ptr + off, mask=ok, other=-1.0e30, cache_modifier=".cg")
-            l_s = tl.load(part_sum_ptr + off, mask=ok, other=0.0, cache_modifier=".cg")
-            o = tl.load(part_out_ptr + off[:, None] * HEAD_PAD + dims[None, :], mask=ok[:, None],
-                        other=0.0, cache_modifier=".cg")  # fmt: skip
-            m_new = tl.maximum(m_run, m)
-            alpha = tl.exp2(m_run - m_new)
-            weight = tl.exp2(m - m_new) * l_s
-            acc = acc * alpha[:, None] + o * weight[:, None]
-            l_run = l_run * alpha + weight
-            m_run = m_new
-    return acc / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(
-    out_ptr,
-    part_out_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    num_splits,
-    stride_ot,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """out[t, h] = sum_s w_s * o_s / sum_s w_s with w_s = l_s * 2^(m_s - max_s m_s)."""
-    pdl_enter(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
-    split_valid = splits < num_splits
-    stat_off = (token * NUM_HEADS + head) * num_splits + splits
-    m = tl.load(part_max_ptr + stat_off, mask=split_valid, other=-1.0e30)
-    l_sum = tl.load(part_sum_ptr + stat_off, mask=split_valid, other=0.0)
-    weights = tl.exp2(m - tl.max(m, 0)) * l_sum
-    total = tl.sum(weights, 0)
-    dims = tl.arange(0, HEAD_PAD)
-    parts = tl.load(
-        part_out_ptr + stat_off[:, None] * HEAD_PAD + dims[None, :],
-        mask=split_valid[:, None],
-        other=0.0,
-    )
-    merged = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(
-        out_ptr + token * stride_ot + head * stride_oh + dims,
-        merged.to(out_ptr.dtype.element_ty),
-        mask=dims < HEAD_SIZE,
-    )
 
 
 def paged_attention(
@@ -655,18 +564,4 @@ def paged_attention(
         **launch_options(query.device),
     )
     if use_splits and not fused_merge:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            output,
-            part_out,
-            part_max,
-            part_sum,
-            num_splits,
-            output.stride(0),
-            output.stride(1),
-            NUM_HEADS=num_heads,
-            HEAD_SIZE=head_size,
-            HEAD_PAD=head_pad,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4 if head_pad >= 128 else 2,
-            **launch_options(query.device),
-        )
+        merge_pieces(output, part_out, part_max, part_sum, num_splits)

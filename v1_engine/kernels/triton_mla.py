@@ -62,7 +62,7 @@ from v1_engine.kernels.mla_launch import (
 )
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
-from v1_engine.kernels.triton_attention import split_tile_range
+from v1_engine.kernels.triton_split_kv import split_tile_range
 
 __all__ = [
     "SUPPORTED_DTYPES",
