@@ -8,7 +8,7 @@
 # $OUT (the device tool's output folder) or benchmarks/logs/.
 # Knobs: BENCH_MODEL (a folder of benchmarks/configs, default llama3-8b), LATENCY_ARGS,
 # THROUGHPUT_ARGS (extra flags), SUITE_STAGES (any of: tests latency throughput startup fp8
-# deepseek profile sweeps fp8tests fp8decode fp8ab fp8goal modes mergeab; default the first three). `sweeps` runs
+# deepseek profile sweeps fp8tests fp8decode fp8ab fp8goal modes mergeab normab; default the first three). `sweeps` runs
 # the launch sweeps of the skinny GEMM and the attention kernel: paste their tables. The FP8
 # decode stages, each meant for one 10-minute device call: `fp8tests` the GPU tests of the
 # FP8 decode kernels, ops and passes; `fp8decode` their sweeps at M 1 / 2 / 4 into one table
@@ -20,6 +20,8 @@
 # each, for the per-process slow mode: a slow process whose kernel sum stays is waiting on the
 # host. `mergeab` times decode at batch 4 / 8 with long contexts with the split-KV merge in the
 # attention launch and with the merge kernel (FUSED_MERGE_MAX_SPLITS patched to 0), alternating.
+# `normab` runs fp8_norm_linear's GPU tests, sweeps its "norm" kinds at M = 1 and times FP8
+# batch 1 without and with the pass and those entries, GOAL_PROCS rounds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=${OUT:-benchmarks/logs}
@@ -210,6 +212,34 @@ PY
   done
   { echo; echo "## split-KV merge in the launch vs the merge kernel (mergeab)"
     grep -E "^== |^ *\| [0-9]" "$LOG_DIR/mergeab.log"; } >> "$summary"
+fi
+if [[ " $STAGES " == *" normab "* ]]; then
+  # fp8_norm_linear (the add + RMSNorm folded into the FP8 GEMM after it): its GPU tests, the
+  # M = 1 sweeps of the "norm" kinds into $NORM_TABLES, then FP8 batch 1 without and with the
+  # entries and the pass, one process each, alternating, GOAL_PROCS rounds.
+  norm_tables=${NORM_TABLES:-$LOG_DIR/fp8_norm.json}
+  python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fp8_norm_gemm.py 2>&1 \
+    | tee "$LOG_DIR/normab_tests.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  for sweep in "norm --shapes qkv" "norm_gated --shapes gate_up"; do
+    # shellcheck disable=SC2086
+    python3 benchmarks/sweep_skinny_gemm.py --fp8 $sweep --m 1 --seconds 8 \
+      --json "$norm_tables" 2>&1 | tee -a "$LOG_DIR/normab_sweeps.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+  one="--quantization fp8 --batch-sizes 1 --prefill-lens '' --decode-steps 64 --repeats 2"
+  for round in $(seq "${GOAL_PROCS:-2}"); do
+    for variant in "" "--gemm-tables $norm_tables --add-fusion-passes fp8_norm_linear"; do
+      echo "### round $round: ${variant:-FP8}" | tee -a "$LOG_DIR/normab.log"
+      eval python3 benchmarks/latency.py --model "$MODEL" "$one" "$variant" 2>&1 \
+        | tee -a "$LOG_DIR/normab.log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    done
+  done
+  { echo; echo "## fp8_norm_linear (tests, sweeps, FP8 batch 1 by round)"
+    tail -n 1 "$LOG_DIR/normab_tests.log"
+    grep -E "^\| |wrote" "$LOG_DIR/normab_sweeps.log"
+    grep -E "^### round|^\| 1 " "$LOG_DIR/normab.log"; } >> "$summary"
 fi
 cp benchmarks/RESULTS.md "$LOG_DIR/RESULTS.md" 2>/dev/null
 cat "$summary"

@@ -34,6 +34,13 @@ file for `latency.py --gemm-tables`):
     python benchmarks/sweep_skinny_gemm.py --fp8 gated --m 1,2,4 --shapes gate_up \
         --json fp8_decode.json
 
+The "norm" kinds (the add + RMSNorm before the GEMM folded in; against the norm-quant kernel and
+the GEMM the engine runs today):
+
+    python benchmarks/sweep_skinny_gemm.py --fp8 norm --m 1 --shapes qkv --json fp8_decode.json
+    python benchmarks/sweep_skinny_gemm.py --fp8 norm_gated --m 1 --shapes gate_up \
+        --json fp8_decode.json
+
 The block kind has an fma body too (M <= 4). Its table already holds dot_swap entries at those
 M, so sweep both bodies (no --modes), or an fma-only sweep could replace a faster entry:
 
@@ -90,12 +97,17 @@ FMA_MAX_M = triton_gemv.FMA_MAX_M
 """The fma body keeps M rows of partial products in registers: only small M."""
 
 
-KINDS = ("bf16", "channel", "block", "weight_only", "gated")
+KINDS = ("bf16", "channel", "block", "weight_only", "gated", "norm", "norm_gated")
 """bf16: triton_gemv vs cuBLAS; channel / block: triton_gemv_fp8's kinds vs CUTLASS;
 weight_only: the bf16-activation kernel vs CUTLASS on the quantized activation (its quant kernel
 not counted: a conservative comparison where the op saves it, o_proj); gated: gate_up with
 SiLU-and-mul in the epilogue vs the CUTLASS GEMM + the SiLU-and-mul + quant kernel it replaces
-(shape gate_up)."""
+(shape gate_up); norm / norm_gated: the GEMM with the add + RMSNorm folded in vs the add +
+RMSNorm + quant kernel and the GEMM the engine runs today (scaled_mm's dispatch; the gated
+kernel's table launch)."""
+GATED_KINDS = ("gated", "norm_gated")
+NORM_KINDS = ("norm", "norm_gated")
+NORM_EPS = 1e-5
 
 
 def element_bytes(kind: str) -> int:
@@ -114,8 +126,9 @@ def block_ks(kind: str, fma: bool) -> tuple[int, ...]:
 def smem_bytes(kind: str, launch: dict, m: int) -> int:
     """Shared memory of the pipeline buffers: num_stages weight and x tiles (the gated kind
     reads two weight tiles, weight_only a bf16 x)."""
-    weight_rows = launch["block_n"] * (2 if kind == "gated" else 1)
-    x_bytes = 2 if kind in ("bf16", "weight_only") else 1
+    weight_rows = launch["block_n"] * (2 if kind in GATED_KINDS else 1)
+    # The norm kinds read x, the residual and the norm weight each K step (bf16).
+    x_bytes = {"bf16": 2, "weight_only": 2, "norm": 6, "norm_gated": 6}.get(kind, 1)
     x_rows = triton_gemv.block_rows(launch["mode"], m)
     step = weight_rows * element_bytes(kind) + x_rows * x_bytes
     return launch["num_stages"] * launch["block_k"] * step
@@ -140,7 +153,7 @@ def fma_fits(kind: str, launch: dict, m: int) -> bool:
     """Whether the fma body's float32 accumulators (M's bucket x block_n x block_k; the gated
     kind has two) stay within 64 registers a thread."""
     values = triton_gemv.m_bucket(m) * launch["block_n"] * launch["block_k"]
-    values *= 2 if kind == "gated" else 1
+    values *= 2 if kind in GATED_KINDS else 1
     return values <= 64 * 32 * launch["num_warps"]
 
 
@@ -317,7 +330,10 @@ class Problem:
             self.weights = [w] + [w.clone() for _ in range(copies - 1)]
             self.xs = xs
             return
-        if kind in ("channel", "weight_only", "gated"):
+        if kind in NORM_KINDS:
+            self.residuals = {m: torch.randn_like(x) for m, x in xs.items()}
+            self.norm_w = 1.0 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16)
+        if kind in ("channel", "weight_only", "gated", *NORM_KINDS):
             qw, self.scale_w = fp8.per_token_fp8_quant(w)
             self.xs = {m: fp8.per_token_fp8_quant(x) for m, x in xs.items()}
             self.bf16_xs = xs
@@ -329,6 +345,14 @@ class Problem:
     def baseline(self, m: int, w: torch.Tensor) -> torch.Tensor:
         if self.kind == "bf16":
             return F.linear(self.xs[m], w)
+        if self.kind in NORM_KINDS:
+            x, residual = self.bf16_xs[m], self.residuals[m]
+            a, scale_a, _ = triton_fused_quant.rms_norm_quant(
+                x, residual, self.norm_w, NORM_EPS, None
+            )
+            if self.kind == "norm":
+                return fp8._scaled_mm_cuda(a, w, scale_a, self.scale_w, torch.bfloat16)
+            return fp8_decode.fp8_gated_gemm(a, w, scale_a, self.scale_w, torch.bfloat16)
         a, scale_a = self.xs[m]
         if self.kind in ("channel", "weight_only"):
             return fp8_cutlass.scaled_mm_cutlass(a, w, scale_a, self.scale_w, torch.bfloat16)
@@ -343,6 +367,14 @@ class Problem:
         over long K (Llama-3-70B down, K = 28672: 9e-3 of the output's range at M = 1)."""
         if self.kind == "bf16":
             return self.baseline(m, w)
+        if self.kind in NORM_KINDS:  # the norm folded in, in float32
+            x, residual = self.bf16_xs[m], self.residuals[m]
+            h = (x.float() + residual.float()).to(x.dtype).float()
+            normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+            out = ((normed * self.norm_w.float()) @ w.float().t()) * self.scale_w.reshape(1, -1)
+            return (
+                silu_and_mul_ref(out.to(x.dtype)) if self.kind == "norm_gated" else out.to(x.dtype)
+            )
         a, scale_a = self.xs[m]
         if self.kind == "channel":
             return fp8.scaled_mm_ref(a, w, scale_a, self.scale_w, torch.bfloat16)
@@ -356,6 +388,11 @@ class Problem:
     def skinny(self, m: int, w: torch.Tensor, launch: dict) -> torch.Tensor:
         if self.kind == "bf16":
             return triton_gemv.skinny_gemm(self.xs[m], w, **launch)
+        if self.kind in NORM_KINDS:
+            x, residual = self.bf16_xs[m], self.residuals[m]
+            gated = self.kind == "norm_gated"
+            args = (x, residual, self.norm_w, NORM_EPS, w, self.scale_w)
+            return fp8_decode.fp8_add_norm_gemm(*args, gated=gated, **launch)[0]
         a, scale_a = self.xs[m]
         if self.kind == "channel":
             return fp8_skinny.fp8_skinny_gemm(a, w, scale_a, self.scale_w, torch.bfloat16, **launch)
@@ -468,7 +505,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--fp8",
-        choices=("channel", "block", "weight_only", "gated"),
+        choices=KINDS[1:],
         default=None,
         help="sweep the FP8 skinny GEMM of this kind against CUTLASS (default: bf16 vs cuBLAS)",
     )

@@ -180,7 +180,9 @@ def test_help_prints(script):
     assert out.stdout.startswith("usage:"), out.stdout[:200]
 
 
-@pytest.mark.parametrize("kind", ["bf16", "channel", "block", "weight_only", "gated"])
+@pytest.mark.parametrize(
+    "kind", ["bf16", "channel", "block", "weight_only", "gated", "norm", "norm_gated"]
+)
 def test_skinny_sweep_builds_only_launches_the_kernels_take(kind):
     """Every config sweep_skinny_gemm.py builds for a kind (bodies, splits) resolves in the
     kernel's own launch rules at each decode M the sweep runs it at, so a device call never
@@ -208,7 +210,7 @@ def test_skinny_sweep_builds_only_launches_the_kernels_take(kind):
     fma = [c for c in configs if c["mode"] == "fma"]
     if fma:  # the most float32 accumulator values a thread first (64 at M = 1)
         per_thread = [c["block_n"] * c["block_k"] // (32 * c["num_warps"]) for c in fma]
-        gated = 2 if kind == "gated" else 1
+        gated = 2 if kind in ("gated", "norm_gated") else 1
         assert per_thread[0] * gated == 64 and per_thread[0] == max(per_thread)
     if kind == "block":
         assert fma and {c["block_k"] for c in fma} == {fp8_skinny.SCALE_GROUP}

@@ -8,6 +8,7 @@ from torch import fx
 from compile.passes.fp8_fusion import (
     fuse_fp8_dynamic_linear,
     fuse_fp8_gated_mlp,
+    fuse_fp8_norm_linear,
     fuse_rms_norm_fp8_quant,
     fuse_silu_and_mul_fp8_quant,
 )
@@ -27,6 +28,7 @@ FUSION_PASSES: dict[str, Callable[[fx.GraphModule], int]] = {
     "silu_and_mul_fp8_quant": fuse_silu_and_mul_fp8_quant,
     "fp8_gated_mlp": fuse_fp8_gated_mlp,
     "fp8_dynamic_linear": fuse_fp8_dynamic_linear,
+    "fp8_norm_linear": fuse_fp8_norm_linear,
     "skinny_silu_mul": fuse_skinny_silu_mul,
     "fused_mlp": fuse_mlp,
     "skinny_add_rms_norm": fuse_skinny_add_rms_norm,
@@ -39,6 +41,7 @@ __all__ = [
     "fuse_add_rms_norm",
     "fuse_fp8_dynamic_linear",
     "fuse_fp8_gated_mlp",
+    "fuse_fp8_norm_linear",
     "fuse_mlp",
     "fuse_rms_norm_fp8_quant",
     "fuse_rope_kv_cache",

@@ -11,6 +11,7 @@ from torch import fx
 
 # Imported for their side effect: registering the fused ops the passes insert.
 import compile.passes.fp8_linear_ops
+import compile.passes.fp8_norm_ops
 import compile.passes.fused_quant_ops  # noqa: F401
 from compile.passes.fusion import (
     _copy_example,
@@ -215,14 +216,18 @@ def _same_shape_alias(node: fx.Node) -> bool:
 
 
 def _quantized_input(
-    mm: fx.Node, quant_op: torch._ops.OpOverloadPacket
+    mm: fx.Node,
+    quant_op: torch._ops.OpOverloadPacket,
+    positions: tuple[int, int] = (0, 2),
+    more_outputs: bool = False,
 ) -> tuple[fx.Node, list[fx.Node]] | None:
-    """The `quant_op` call whose (q, scales) are scaled_mm `mm`'s a and scale_a (directly or
-    through same-shape reshapes) and are read by nothing else, with the nodes between (users
-    first)."""
+    """The `quant_op` call whose (q, scales) are `mm`'s arguments at `positions` (scaled_mm's a
+    and scale_a by default; directly or through same-shape reshapes) and are read by nothing
+    else, with the nodes between (users first). `more_outputs`: the call may have outputs past
+    those two (the fused norm's residual sum)."""
     between = []
     operands = []
-    for node in (mm.args[0], mm.args[2]):
+    for node in (mm.args[positions[0]], mm.args[positions[1]]):
         if not isinstance(node, fx.Node) or not _only_used_by(node, mm):
             return None
         if _same_shape_alias(node):
@@ -237,7 +242,12 @@ def _quantized_input(
     quant = a.args[0]
     if scale_a.args[0] is not quant or (a.args[1], scale_a.args[1]) != (0, 1):
         return None
-    if not _is_op(quant, quant_op) or _outputs_by_index(quant) != {0: [a], 1: [scale_a]}:
+    if not _is_op(quant, quant_op):
+        return None
+    outputs = _outputs_by_index(quant)
+    if outputs is None or (outputs.get(0), outputs.get(1)) != ([a], [scale_a]):
+        return None
+    if not more_outputs and set(outputs) != {0, 1}:
         return None
     return quant, [*between, a, scale_a]
 
@@ -330,6 +340,72 @@ def fuse_fp8_gated_mlp(gm: fx.GraphModule) -> int:
         _copy_example(node, fused)
         node.replace_all_uses_with(fused)
         _erase(graph, [node, *between, quant, *aliases, gate_up_node])
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+# ---- FP8 linears with the add + RMSNorm before them folded in at decode sizes -----------------
+#
+# After the norm quant fusion each of a layer's two norms is `add_rms_norm_per_token_fp8_quant`
+# feeding one scaled_mm (qkv_proj) or the FP8 MLP (fp8_gated_mlp's op where that pass ran first,
+# else gate_up's scaled_mm). Both become the ops of compile/passes/fp8_norm_ops.py, which fold the
+# norm into the GEMM at the decode sizes the "norm" / "norm_gated" tables hold.
+
+
+def _read_before(values: list[fx.Node], start: fx.Node, end: fx.Node) -> bool:
+    """Whether a node strictly between `start` and `end` in graph order reads any of `values`
+    (the fused op is inserted at `end`, so such a reader would precede its definition)."""
+    readers = {user for value in values for user in value.users}
+    node = start.next
+    while node is not end and node.op != "root":
+        if node in readers:
+            return True
+        node = node.next
+    return False
+
+
+def fuse_fp8_norm_linear(gm: fx.GraphModule) -> int:
+    """add_rms_norm_per_token_fp8_quant(x, r, w, eps) whose (q, scale) feed only scaled_mm(q, W,
+    scale, ...) => `v1_engine::fp8_add_norm_linear`; feeding only fp8_gated_mlp(q, scale, ...)
+    => `v1_engine::fp8_add_norm_gated_mlp` (x 2-D). The residual sum becomes the op's second
+    output. Runs the norm quant fusion first; put it after fp8_gated_mlp so the MLP form is seen.
+    Returns matches."""
+    fuse_rms_norm_fp8_quant(gm)
+    ops = torch.ops.v1_engine
+    graph, count = gm.graph, 0
+    for node in list(graph.nodes):
+        if _scaled_mm_call(node) is not None:
+            positions, op = (0, 2), ops.fp8_add_norm_linear.default
+        elif _is_op(node, ops.fp8_gated_mlp) and len(node.args) == 8 and not node.kwargs:
+            positions, op = (0, 1), ops.fp8_add_norm_gated_mlp.default
+        else:
+            continue
+        found = _quantized_input(node, ops.add_rms_norm_per_token_fp8_quant, positions, True)
+        if found is None or len(found[0].args) != 4 or found[0].kwargs:
+            continue
+        norm, between = found
+        x, residual, norm_weight, eps = norm.args
+        example = _example(x) if isinstance(x, fx.Node) else None
+        old_sums = _outputs_by_index(norm).get(2, [])
+        if example is None or example.dim() != 2 or _read_before(old_sums, norm, node):
+            continue
+        if op is ops.fp8_add_norm_linear.default:
+            _, weight, _, weight_scale, out_dtype, bias = _scaled_mm_call(node)
+            rest = (weight, weight_scale, out_dtype, bias)
+        else:
+            rest = tuple(node.args[2:])
+        with graph.inserting_before(node):
+            fused = graph.call_function(op, (x, residual, norm_weight, eps, *rest))
+            out = graph.call_function(operator.getitem, (fused, 0))
+            summed = graph.call_function(operator.getitem, (fused, 1))
+        _copy_example(node, out)
+        node.replace_all_uses_with(out)
+        for old in old_sums:
+            _copy_example(old, summed)
+            old.replace_all_uses_with(summed)
+        _erase(graph, [node, *between, *old_sums, norm])
         count += 1
     if count:
         gm.recompile()

@@ -185,6 +185,79 @@ def test_fp8_decode_passes_on_tiny_llama_forward(tiny_llama_dir):
     assert counts["add_rms_norm_per_token_fp8_quant"] == 2 * layers - 1
 
 
+@pytest.mark.parametrize("with_gated_mlp", [True, False])
+def test_fp8_norm_linear_pass_on_tiny_llama_forward(tiny_llama_dir, with_gated_mlp):
+    """fp8_norm_linear after the quant fusions: every add + RMSNorm + quant feeding qkv (all but
+    layer 0's, which has no residual) becomes an fp8_add_norm_linear; the post-attention ones
+    become fp8_add_norm_gated_mlp where fp8_gated_mlp ran first, else fp8_add_norm_linear of
+    gate_up. The final norm (unquantized lm_head) stays. On the CPU the ops run the quantized
+    chain: logits bit-identical to the forward without the pass."""
+    config = load_hf_config(str(tiny_llama_dir))
+    cpu = torch.device("cpu")
+    model = tiny_fp8_llama(config, tiny_llama_dir)
+    quant_names = ("rms_norm_fp8_quant", "silu_and_mul_fp8_quant")
+    names = quant_names + (("fp8_gated_mlp",) if with_gated_mlp else ()) + ("fp8_norm_linear",)
+    CompilationConfig(fusion_passes=list(names)).verify()
+    graphs: list[torch.fx.GraphModule] = []
+    batches = [torch.randint(0, config.vocab_size, (n,)) for n in (4, 1, 9)]
+    with (
+        torch.inference_mode(),
+        set_forward_context(None, get_attn_backend(cpu), model.attention_layers()),
+    ):
+        plain = CompiledForward(
+            model, passes=[(n, FUSION_PASSES[n]) for n in quant_names], use_inductor=False
+        )
+        expected = [plain(ids, torch.arange(len(ids))) for ids in batches]
+        torch._dynamo.reset()
+        passes = [(n, FUSION_PASSES[n]) for n in names] + [("record", graphs.append)]
+        fused = CompiledForward(model, passes=passes, use_inductor=False)
+        for ids, want in zip(batches, expected, strict=True):
+            assert torch.equal(fused(ids, torch.arange(len(ids))), want)
+    layers = config.num_hidden_layers
+    assert fused.stats.pass_matches["fp8_norm_linear"] == 2 * layers - 1
+    counts = _count_ops(graphs[0])
+    assert "add_rms_norm_per_token_fp8_quant" not in counts
+    assert counts["rms_norm_per_token_fp8_quant"] == 1  # layer 0's input norm
+    assert counts["fused_add_rms_norm"] == 1  # the final norm
+    if with_gated_mlp:
+        assert counts["fp8_add_norm_gated_mlp"] == layers
+        assert counts["fp8_add_norm_linear"] == layers - 1
+        assert counts["scaled_mm"] == layers + 1  # layer 0's qkv, every o_proj
+    else:
+        assert counts["fp8_add_norm_linear"] == 2 * layers - 1
+        assert counts["silu_and_mul_per_token_fp8_quant"] == layers
+
+
+def test_fp8_norm_linear_pass_leaves_what_it_cannot_take():
+    """A norm whose quantized output is read twice keeps its chain, and so does one whose
+    residual sum is read before the GEMM (the fused op would come after that reader)."""
+    from compile.passes import fused_quant_ops as quant_ops
+
+    class Sublayers(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w, self.s = fp8.per_token_fp8_quant_ref(torch.randn(32, 32) * 0.1)
+            self.norm_w = (torch.randn(32) * 0.1 + 1.0).to(torch.bfloat16)
+
+        def forward(self, x, r):
+            q, s, summed = quant_ops.add_rms_norm_per_token_fp8_quant(x, r, self.norm_w, 1e-5)
+            a = fp8.scaled_mm(q, self.w, s, self.s, torch.bfloat16)
+            q2, s2, summed2 = quant_ops.add_rms_norm_per_token_fp8_quant(x, a, self.norm_w, 1e-5)
+            early = summed2 * 2.0  # the residual sum read before its GEMM
+            b = fp8.scaled_mm(q2, self.w, s2, self.s, torch.bfloat16)
+            return q.float().sum(), summed, early, b
+
+    module = Sublayers()
+    x, r = (torch.randn(3, 32).to(torch.bfloat16) for _ in range(2))
+    compiled, counts, graphs = _compile_with_passes(module, FUSION_PASSES["fp8_norm_linear"])
+    with torch.no_grad():
+        got, want = compiled(x, r), module(x, r)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert counts == [(0,)]
+    assert _count_ops(graphs[0])["add_rms_norm_per_token_fp8_quant"] == 2
+
+
 def test_fp8_decode_passes_leave_what_they_cannot_take():
     """A quant whose q escapes stays with its GEMM, and a gate_up GEMM read twice keeps its
     chain (its lone input quant becomes an fp8_dynamic_linear), as does a biased down GEMM."""

@@ -1,5 +1,5 @@
 """Compiles the FP8 decode-size fma kernels (kernels/triton_gemv_fp8.py: the channel and block
-kinds' fma bodies, the weight_only and gated kinds) and the two kinds' wgmma body for sm_90 (no GPU needed) at the launches their sweeps
+kinds' fma bodies, the weight_only, gated and norm kinds) and the two kinds' wgmma body for sm_90 (no GPU needed) at the launches their sweeps
 start from, and prints, as JSON per case, registers, spills, the e4m3 conversions in the PTX,
 shared-memory loads of single bytes in the SASS and the shared memory the pipeliner gave the
 tiles. Run by test_fp8_decode_gemm.py in a fresh
@@ -35,6 +35,10 @@ CASES = {  # name: (kind, M, N, K, block_n, block_k); Llama-3-8B shapes
     "weight_only_down_m4": ("weight_only", 4, 4096, 14336, 4, 256),
     "gated_gate_up_m1": ("gated", 1, 28672, 4096, 2, 1024),
     "gated_gate_up_m2": ("gated", 2, 28672, 4096, 2, 512),
+    # the add + RMSNorm folded in (kernels/triton_gemv_fp8_decode.py's "norm" kinds)
+    "norm_qkv_m1": ("norm", 1, 6144, 4096, 16, 512),
+    "norm_gated_gate_up_m1": ("norm_gated", 1, 28672, 4096, 4, 1024),
+    "norm_qkv_m4": ("norm", 4, 6144, 4096, 4, 256),
     # the block kind steps one 128-wide scale group: wider column tiles for 16-byte loads
     "block_o_proj_m1": ("block", 1, 4096, 4096, 64, 128),
     "block_down_m4": ("block", 4, 4096, 14336, 8, 128),
@@ -47,7 +51,8 @@ WGMMA_CASES = {  # the "wgmma" body (FP8 warpgroup MMA on the e4m3 tiles as load
     "wgmma_gated_gate_up_m1": ("gated", 1, 28672, 4096, 64, 256),
 }
 KERNELS = {"channel": "_fp8_skinny_kernel", "block": "_fp8_block_skinny_kernel",
-           "weight_only": "_fp8_decode_kernel", "gated": "_fp8_decode_kernel"}  # fmt: skip
+           "weight_only": "_fp8_decode_kernel", "gated": "_fp8_decode_kernel",
+           "norm": "_fp8_decode_kernel", "norm_gated": "_fp8_decode_kernel"}  # fmt: skip
 
 
 def sass(compiled) -> str:
@@ -119,12 +124,22 @@ def compile_case(kind: str, m: int, n: int, k: int, launch: dict) -> dict:
     elif kind == "weight_only":
         x = torch.zeros(m, k, dtype=torch.bfloat16)
         fp8_decode.fp8_weight_only_gemm(x, b, torch.ones(n, 1), **launch)
-    else:  # gated: n weight rows (gate, then up) for n / 2 output columns
+    elif kind == "gated":  # n weight rows (gate, then up) for n / 2 output columns
         a = torch.zeros(m, k, dtype=fp8)
         fp8_decode.fp8_gated_gemm(
             a, b, torch.ones(m, 1), torch.ones(n, 1), torch.bfloat16, **launch
         )
-    rows = launch["block_n"] * (2 if kind == "gated" else 1)
+    else:  # the norm kinds: x, the residual and the norm weight in bf16
+        x, residual = (
+            torch.zeros(m, k, dtype=torch.bfloat16),
+            torch.zeros(m, k, dtype=torch.bfloat16),
+        )
+        norm_weight = torch.ones(k, dtype=torch.bfloat16)
+        fp8_decode.fp8_add_norm_gemm(
+            x, residual, norm_weight, 1e-5, b, torch.ones(n, 1), gated=kind == "norm_gated",
+            **launch,
+        )  # fmt: skip
+    rows = launch["block_n"] * (2 if kind in ("gated", "norm_gated") else 1)
     return describe(KERNELS[kind], rows * launch["block_k"])
 
 

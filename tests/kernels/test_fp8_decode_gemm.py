@@ -221,9 +221,10 @@ def test_fma_kernels_compile_for_sm90_without_spills(run_compile_probe):
     memory (cp.async pipelining) and read back in vectors (a 3-D broadcast read them byte by
     byte: 200 instructions a 4 KB step at M = 1 against 160, the bf16 kernel's 106). The wgmma
     launches: FP8 warpgroup MMAs on the tiles as loaded, no upcast, half the fma body's
-    instructions a byte or fewer."""
+    instructions a byte or fewer. The norm kinds (the add + RMSNorm folded in) likewise, with
+    more registers."""
     report = run_compile_probe("fp8_decode_probe.py")
-    assert len(report) == 13
+    assert len(report) == 16
     for name, case in report.items():
         assert case["k_loop"] > 0, (name, case)  # the K loop was found in the SASS
         if name.startswith("wgmma_"):  # FP8 warpgroup MMAs on the tiles as loaded
@@ -233,7 +234,11 @@ def test_fma_kernels_compile_for_sm90_without_spills(run_compile_probe):
             continue
         if name.endswith("_m1"):  # below the ~0.24 warp instructions a byte an SM issues at HBM
             assert case["issue_per_byte"] < 0.2, (name, case)
-        assert case["stack"] == 0 and case["registers"] <= 128, (name, case)
+        # The norm kinds' row work (x + residual, h^2, h * w) amortizes over 64 accumulator
+        # values a thread (0.16-0.17 at M = 1; 0.25-0.27 with 32): 130-160 registers, 3 programs
+        # an SM.
+        limit = 168 if name.startswith("norm") else 128
+        assert case["stack"] == 0 and case["registers"] <= limit, (name, case)
         assert case["e4m3_to_f16x2"] > 0 and not case["tensor_core"], (name, case)
         assert case["shared"] > 0, (name, case)
         assert case["byte_smem_loads"] == 0, (name, case)  # 2-D tiles, vector reads
@@ -318,18 +323,19 @@ def test_decode_ops_replay_in_a_cuda_graph_gpu(monkeypatch):
 @pytest.mark.parametrize(
     ("kind", "mode"),
     [("channel", "fma"), ("channel", "dot_swap"), ("block", "fma"), ("weight_only", "fma"),
-     ("gated", "fma"), ("gated", "wgmma")],
+     ("gated", "fma"), ("gated", "wgmma"), ("norm", "fma"), ("norm_gated", "fma")],
 )  # fmt: skip
 def test_precompile_passes_every_constexpr_of_its_kernel(kind, mode, monkeypatch):
     """`precompile_fp8` (the sweeps' parallel compiles) warms up the kernel with exactly the
     compile-time arguments the launch passes: each kernel's constexpr parameters, no other."""
     kernels = {"channel": skinny._fp8_skinny_kernel, "block": skinny._fp8_block_skinny_kernel,
-               "weight_only": decode._fp8_decode_kernel, "gated": decode._fp8_decode_kernel}  # fmt: skip
+               "weight_only": decode._fp8_decode_kernel, "gated": decode._fp8_decode_kernel,
+               "norm": decode._fp8_decode_kernel, "norm_gated": decode._fp8_decode_kernel}  # fmt: skip
     kernel = kernels[kind]
     seen = {}
     monkeypatch.setattr(kernel, "warmup", lambda *args, grid, **kwargs: seen.update(kwargs))
     monkeypatch.setattr(skinny, "launch_options", lambda device: {"PDL": False})
-    n, k = (256, 512) if kind == "gated" else (128, 512)
+    n, k = (256, 512) if kind in ("gated", "norm_gated") else (128, 512)
     block_n = {"wgmma": 64, "dot_swap": 16}.get(mode, 8)
     launch = {"mode": mode, "block_n": block_n, "block_k": 128}
     skinny.precompile_fp8(kind, torch.bfloat16, 1, n, k, **launch)

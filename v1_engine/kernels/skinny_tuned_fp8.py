@@ -105,6 +105,8 @@ FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | No
     "gated": {
         (1, 28672, 4096): _WGMMA_K128,
     },
+    "norm": {},
+    "norm_gated": {},
 }
 """Measured launch configs per kind, keyed by (M bucket, N, K) as triton_gemv.TUNED_LAUNCH; None
 marks a shape where the CUTLASS kernel measured as fast or faster: the ops run the Triton kernel

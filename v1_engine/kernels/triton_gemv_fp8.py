@@ -43,12 +43,14 @@ from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.skinny_tuned_fp8 import FP8_TUNED_LAUNCH
 from v1_engine.kernels.triton_gemv import _dot, _split_arrive, _split_sum, m_bucket
 
-KINDS = ("channel", "block", "weight_only", "gated")
+KINDS = ("channel", "block", "weight_only", "gated", "norm", "norm_gated")
 KIND_MODES = {
     "channel": ("dot_swap", "wgmma", "fma"),
     "block": ("dot_swap", "wgmma", "fma"),
     "weight_only": ("fma",),
     "gated": ("fma", "wgmma"),
+    "norm": ("fma",),
+    "norm_gated": ("fma",),
 }
 """Bodies each FP8 kernel has (see the module docstring): triton_gemv.MODES' "dot_swap" and
 "fma" (only for M <= triton_gemv.FMA_MAX_M, as in the bf16 kernel), and "wgmma", FP8's own:
@@ -59,9 +61,11 @@ lowers smaller tiles to mma.sync, which has no e4m3 form on sm_90)."""
 WGMMA_PROMOTE_K = 128
 """K extent the "wgmma" body accumulates in the tensor core before adding to float32 (the
 kernel's literal max_num_imprecise_acc): its block_k is a multiple."""
-DECODE_KINDS = ("weight_only", "gated")
+DECODE_KINDS = ("weight_only", "gated", "norm", "norm_gated")
 """The kinds of kernels/triton_gemv_fp8_decode.py (the fma body, the gated kind also wgmma;
-never split), which shares this module's table and launch rules."""
+never split), which shares this module's table and launch rules. "norm" / "norm_gated" are
+weight_only / gated (on a bf16 activation) with the residual add and RMSNorm before them folded
+in."""
 SCALE_GROUP = 128
 """K (and N) extent of one block scale; the block kind's K step is exactly one group."""
 
@@ -363,7 +367,7 @@ def default_fp8_launch(kind: str, m: int, n: int, k: int) -> dict[str, int | str
     if kind in DECODE_KINDS:
         # The bf16 kernel's M = 1 fma launches in as many bytes a K step; the K step shrinks as
         # M grows, so the float32 accumulator stays at 32 registers a thread.
-        block_n = 2 if kind == "gated" else 4
+        block_n = 2 if kind in ("gated", "norm_gated") else 4
         block_k = max(128, 1024 // m_bucket(m))
         return {"mode": "fma", "block_n": block_n, "block_k": block_k, "num_warps": 4,
                 "num_stages": 4, "split_k": 1}  # fmt: skip

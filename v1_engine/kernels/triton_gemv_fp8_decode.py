@@ -19,6 +19,7 @@ import triton.language as tl
 
 from v1_engine.kernels import interpreting
 from v1_engine.kernels.pdl import pdl_release, pdl_wait
+from v1_engine.kernels.triton_fused_quant import _round_to
 from v1_engine.kernels.triton_gemv import _silu_mul
 from v1_engine.kernels.triton_gemv_fp8 import (
     FP8_DTYPE,
@@ -33,6 +34,97 @@ from v1_engine.kernels.triton_gemv_fp8 import (
     _vector_stride,
     resolve_fp8_launch,
 )
+
+
+@triton.jit
+def _norm_row(x_row, res_row, res_out_row, row: tl.constexpr, stride_am, stride_rm, stride_rom,
+              M, k_row, wn, ss, tile, DTYPE: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+    """One K step of activation row `row` for the "norm" kinds (zeros past M): h = x + residual
+    rounded to DTYPE as the unfused add rounds it (program `tile` 0 stores it to residual_out);
+    returns h * wn in float32 and ss + h^2."""
+    lane = k_row.to(tl.int32) * 0
+    mask = k_row & ((lane + row) < M)
+    x = tl.load(x_row + row * stride_am, mask=mask, other=0.0, eviction_policy="evict_last")
+    r = tl.load(res_row + row * stride_rm, mask=mask, other=0.0, eviction_policy="evict_last")
+    h = _round_to(x.to(tl.float32) + r.to(tl.float32), DTYPE, HW)
+    tl.store(res_out_row + row * stride_rom, h.to(DTYPE), mask=mask & ((lane + tile) == 0))
+    return h * wn, ss + h * h
+
+
+@triton.jit
+def _fma_vectors(acc0, acc1, acc2, acc3, a0, a1, a2, a3, w32, BLOCK_M: tl.constexpr):
+    """_fma_rows for activation rows already in registers (float32 [BLOCK_K] each)."""
+    acc0 = acc0 + a0[None, :] * w32
+    if BLOCK_M > 1:
+        acc1 = acc1 + a1[None, :] * w32
+    if BLOCK_M > 2:
+        acc2 = acc2 + a2[None, :] * w32
+        acc3 = acc3 + a3[None, :] * w32
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _row_rstd(ss0, ss1, ss2, ss3, offs_m, K, eps, BLOCK_M: tl.constexpr):
+    """rsqrt(mean(h^2) + eps) of each of the BLOCK_M rows from their [BLOCK_K] partial sums."""
+    total = tl.where(offs_m == 0, tl.sum(ss0, axis=0), 0.0)
+    if BLOCK_M > 1:
+        total = tl.where(offs_m == 1, tl.sum(ss1, axis=0), total)
+    if BLOCK_M > 2:
+        total = tl.where(offs_m == 2, tl.sum(ss2, axis=0), total)
+        total = tl.where(offs_m == 3, tl.sum(ss3, axis=0), total)
+    return tl.rsqrt(total / K + eps)
+
+
+@triton.jit
+def _norm_fma_loop(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, g_ptrs, u_ptrs, n_mask, offs_m,
+                   offs_k, M, K, stride_am, stride_rm, stride_rom, eps, tile,
+                   GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr,
+                   HW: tl.constexpr):  # fmt: skip
+    """The fma body of the "norm" kinds: (gate, up, rstd), gate / up the [BLOCK_M, BLOCK_N]
+    sums of (h * norm_w) times the weight rows (up zeros unless GATED) and rstd each row's
+    rsqrt(mean(h^2) + eps). The norm is a per-row scale, so it factors out of the sum:
+    rmsnorm(h) * w @ W^T = rstd * ((h * w) @ W^T), and every program gets mean(h^2) from the
+    same K loop instead of a norm kernel before it."""
+    DTYPE = x_ptr.dtype.element_ty
+    x_row = x_ptr + offs_k
+    res_row = res_ptr + offs_k
+    out_row = res_out_ptr + offs_k
+    wn_row = norm_w_ptr + offs_k
+    g0, g1, g2, g3 = _fma_accumulators(BLOCK_N, BLOCK_K)
+    u0, u1, u2, u3 = _fma_accumulators(BLOCK_N, BLOCK_K)
+    ss0 = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ss1 = tl.zeros_like(ss0)
+    ss2 = tl.zeros_like(ss0)
+    ss3 = tl.zeros_like(ss0)
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k_row = offs_k < K - k
+        wn = tl.load(wn_row, mask=k_row, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        rows = (x_row, res_row, out_row)
+        strides = (stride_am, stride_rm, stride_rom, M, k_row, wn)
+        a0, ss0 = _norm_row(*rows, 0, *strides, ss0, tile, DTYPE, HW)
+        a1 = a0
+        a2 = a0
+        a3 = a0
+        if BLOCK_M > 1:
+            a1, ss1 = _norm_row(*rows, 1, *strides, ss1, tile, DTYPE, HW)
+        if BLOCK_M > 2:
+            a2, ss2 = _norm_row(*rows, 2, *strides, ss2, tile, DTYPE, HW)
+            a3, ss3 = _norm_row(*rows, 3, *strides, ss3, tile, DTYPE, HW)
+        w32 = _load_weight_f32(g_ptrs, n_mask, k_row, DOT_F32)
+        g0, g1, g2, g3 = _fma_vectors(g0, g1, g2, g3, a0, a1, a2, a3, w32, BLOCK_M)
+        if GATED:
+            w32 = _load_weight_f32(u_ptrs, n_mask, k_row, DOT_F32)
+            u0, u1, u2, u3 = _fma_vectors(u0, u1, u2, u3, a0, a1, a2, a3, w32, BLOCK_M)
+            u_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        x_row += BLOCK_K
+        res_row += BLOCK_K
+        out_row += BLOCK_K
+        wn_row += BLOCK_K
+    gate = _fma_result(g0, g1, g2, g3, offs_m, BLOCK_M)
+    up = _fma_result(u0, u1, u2, u3, offs_m, BLOCK_M)
+    return gate, up, _row_rstd(ss0, ss1, ss2, ss3, offs_m, K, eps, BLOCK_M)
 
 
 @triton.jit(do_not_specialize=["M", "stride_sa", "stride_sb"])
@@ -51,9 +143,16 @@ def _fp8_decode_kernel(
     stride_om,
     stride_sa,
     stride_sb,
+    residual_ptr,
+    norm_w_ptr,
+    residual_out_ptr,
+    stride_rm,
+    stride_rom,
+    eps,
     A_FP8: tl.constexpr,
     GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -68,7 +167,12 @@ def _fp8_decode_kernel(
     A_FP8 and GATED ("gated"): b holds N gate rows then N up rows; gate and up are
     (a @ rows^T) * scale_a * scale_b, each rounded to out's dtype as scaled_mm stores it, and out
     = silu(gate) * up with kernels/triton_fused.py's roundings. The fma body, or with NATIVE
-    (the gated kind's "wgmma" body) the gate and up tiles each in FP8 warpgroup MMAs."""
+    (the gated kind's "wgmma" body) the gate and up tiles each in FP8 warpgroup MMAs.
+    NORM (the "norm" kinds, fma body, A_FP8 False): a is x of `x + residual` and the GEMM's
+    activation is rmsnorm(x + residual) * norm_w, the norm folded in (see _norm_step): every
+    program sums h = x + residual's squares over the K it walks anyway, multiplies h by the norm
+    weight, and scales its rows by rsqrt(mean(h^2) + eps) at the end; program 0 stores h to
+    residual_out."""
     pdl_wait(PDL)
     tile = tl.program_id(0)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -92,6 +196,14 @@ def _fp8_decode_kernel(
         pdl_release(PDL)
         gate = tl.trans(gate_t)
         up = tl.trans(up_t)
+    elif NORM:
+        gate, up, rstd = _norm_fma_loop(a_ptr, residual_ptr, norm_w_ptr, residual_out_ptr, g_ptrs,
+                                        u_ptrs, n_mask, offs_m, offs_k, M, K, stride_am,
+                                        stride_rm, stride_rom, eps, tile, GATED, BLOCK_M,
+                                        BLOCK_N, BLOCK_K, NUM_STAGES, DOT_F32, HW)  # fmt: skip
+        pdl_release(PDL)
+        gate = gate * rstd[:, None]
+        up = up * rstd[:, None]
     else:
         a_row = a_ptr + offs_k  # row 0; rows follow at stride_am (see _fma_rows)
         g0, g1, g2, g3 = _fma_accumulators(BLOCK_N, BLOCK_K)
@@ -117,7 +229,8 @@ def _fp8_decode_kernel(
         gate = gate * scale_a[:, None]
     gate = gate * tl.load(scale_b_ptr + offs_n * stride_sb, mask=n_mask, other=0.0)[None, :]
     if GATED:
-        up = up * scale_a[:, None]
+        if A_FP8:
+            up = up * scale_a[:, None]
         up_scale = tl.load(scale_b_ptr + (N + offs_n) * stride_sb, mask=n_mask, other=0.0)
         result = _silu_mul(gate, up * up_scale[None, :], dtype, HW)
     else:
@@ -141,16 +254,22 @@ def _launch_decode(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     config: dict[str, int | str],
+    norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
+    gated: bool | None = None,
 ) -> torch.Tensor:
-    """`_fp8_decode_kernel` over out's columns: weight-only without scale_a, gated with it."""
+    """`_fp8_decode_kernel` over out's columns: weight-only without scale_a, gated with it;
+    `norm` = (residual, norm weight, residual_out, eps) folds the add + RMSNorm in (a is x, not
+    quantized; `gated` then says whether b holds gate and up rows)."""
     m, cols = out.shape
     if m == 0:
         return out
-    gated = scale_a is not None
+    a_fp8 = scale_a is not None
+    gated = a_fp8 if gated is None else gated
+    residual, norm_w, residual_out, eps = norm if norm is not None else (out, out, out, 0.0)
     _fp8_decode_kernel[(triton.cdiv(cols, config["block_n"]),)](
         a,
         b,
-        scale_a if gated else scale_b,
+        scale_a if a_fp8 else scale_b,
         scale_b,
         bias if bias is not None else out,
         out,
@@ -160,11 +279,18 @@ def _launch_decode(
         a.stride(0),
         b.stride(0),
         out.stride(0),
-        _vector_stride(scale_a) if gated else 0,
+        _vector_stride(scale_a) if a_fp8 else 0,
         _vector_stride(scale_b),
-        A_FP8=gated,
+        residual,
+        norm_w,
+        residual_out,
+        residual.stride(0),
+        residual_out.stride(0),
+        eps,
+        A_FP8=a_fp8,
         GATED=gated,
         HAS_BIAS=bias is not None,
+        NORM=norm is not None,
         **_decode_constexprs(m, config, a.device),
     )
     return out
@@ -219,17 +345,55 @@ def fp8_gated_gemm(
     return _launch_decode(a, b, scale_a, scale_b, None, out, config)
 
 
+def fp8_add_norm_gemm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    b: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gated: bool = False,
+    **launch: int | str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, h) for h = x + residual (rounded to x's dtype) and out = (rmsnorm(h, eps) *
+    norm_weight) @ b^T * scale_b (+ bias) in x's dtype, the activation not quantized, in one
+    kernel (kind "norm"); `gated`: b holds I gate rows then I up rows and out [M, I] =
+    silu(gate) * up as fp8_gated_gemm rounds it (kind "norm_gated", no bias). x and residual
+    bf16/fp16 [M, K] with unit last strides, norm_weight [K], b e4m3 [N, K] contiguous, scale_b
+    fp32 with 1 or N values; M <= triton_gemv.FMA_MAX_M. `launch` overrides keys of
+    `fp8_launch_config(kind, M, N, K)`."""
+    _check_out_dtype(x.dtype)
+    m, k = x.shape
+    rows = b.shape[0]
+    assert residual.shape == x.shape and residual.dtype == x.dtype and norm_weight.shape == (k,)
+    assert b.dtype == FP8_DTYPE and b.shape[1] == k and b.stride(1) == 1
+    assert x.stride(1) == 1 and residual.stride(1) == 1 and norm_weight.is_contiguous()
+    assert scale_b.numel() in (1, rows) and (bias is None or (bias.shape == (rows,) and not gated))
+    assert not gated or rows % 2 == 0
+    kind = "norm_gated" if gated else "norm"
+    config = resolve_fp8_launch(kind, m, rows, k, launch)
+    out = torch.empty((m, rows // 2 if gated else rows), dtype=x.dtype, device=x.device)
+    h = torch.empty_like(x)
+    norm = (residual, norm_weight, h, float(eps))
+    _launch_decode(x, b, None, scale_b, bias, out, config, norm=norm, gated=gated)
+    return out, h
+
+
 def precompile_decode(
     kind: str, out_dtype: torch.dtype, m: int, n: int, k: int, config: dict[str, int | str]
 ) -> None:
     """triton_gemv_fp8.precompile_fp8 for the decode kinds: compile `_fp8_decode_kernel` for
-    `config` without launching it ("gated": n weight rows, n // 2 output columns)."""
-    gated = kind == "gated"
+    `config` without launching it (the gated kinds: n weight rows, n // 2 output columns)."""
+    gated = kind in ("gated", "norm_gated")
+    norm = kind in ("norm", "norm_gated")
+    a_fp8 = kind == "gated"
     fp8, fp32 = FP8_DTYPE, torch.float32
-    a_dtype = fp8 if gated else out_dtype
+    a_dtype = fp8 if a_fp8 else out_dtype
     cols = n // 2 if gated else n
     args = (a_dtype, fp8, fp32, fp32, out_dtype, out_dtype, m, cols, k, k, k, cols, 1, 1)
+    args += (out_dtype, out_dtype, out_dtype, k, k, 1e-6)
     constexprs = _decode_constexprs(m, config, torch.device("cuda"))
     _fp8_decode_kernel.warmup(
-        *args, grid=(1,), A_FP8=gated, GATED=gated, HAS_BIAS=False, **constexprs
+        *args, grid=(1,), A_FP8=a_fp8, GATED=gated, HAS_BIAS=False, NORM=norm, **constexprs
     )
