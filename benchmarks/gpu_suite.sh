@@ -218,8 +218,8 @@ if [[ " $STAGES " == *" normab "* ]]; then
   # M = 1 sweeps of the "norm" kinds into $NORM_TABLES, then FP8 batch 1 without and with the
   # entries and the pass, one process each, alternating, GOAL_PROCS rounds.
   norm_tables=${NORM_TABLES:-$LOG_DIR/fp8_norm.json}
-  python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fp8_norm_gemm.py 2>&1 \
-    | tee "$LOG_DIR/normab_tests.log"
+  python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fp8_norm_gemm.py \
+    tests/models/test_fp8_linear.py -k "norm or decode_ops" 2>&1 | tee "$LOG_DIR/normab_tests.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   for sweep in "norm --shapes qkv" "norm_gated --shapes gate_up"; do
     # shellcheck disable=SC2086

@@ -565,3 +565,64 @@ def test_fp8_decode_ops_in_the_engine_follow_the_quantized_chain_gpu(
         next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(g)) for g, w in zip(got, want)
     )
     assert agree >= len(prompts) * 6, (got, want)
+
+
+@pytest.mark.gpu
+def test_fp8_norm_linear_in_the_engine_follows_the_quantized_chain_gpu(
+    tmp_path, default_tokenizer, monkeypatch
+):
+    """-O2 with fp8_norm_linear on top of the default passes and table entries for this model's
+    shapes at M 1..4 ("norm" for qkv, "norm_gated" for gate_up, "weight_only" for down): the
+    decode graphs fold every residual add + RMSNorm into the GEMM after it, and the greedy
+    tokens follow the engine without the pass (the first token of every prompt, and most of
+    the rest: dropping the activation's roundings can only flip near ties)."""
+    import json
+
+    from v1_engine import LLM, SamplingParams
+    from v1_engine.config import CompilationConfig
+    from v1_engine.kernels import triton_gemv_fp8 as skinny
+    from v1_engine.kernels import triton_gemv_fp8_decode as decode
+
+    save_cuda_sized_llama(tmp_path, default_tokenizer)
+    config = json.loads((tmp_path / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    qkv_rows = (heads + 2 * kv_heads) * config["head_dim"]
+    calls = {"gated": 0, "plain": 0}
+    kernel = decode.fp8_add_norm_gemm
+
+    def counted(*args, **kwargs):
+        calls["gated" if kwargs.get("gated") else "plain"] += 1
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "fp8_add_norm_gemm", counted)
+    for bucket in (1, 2, 4):
+        for kind, shape in (
+            ("norm", (qkv_rows, 256)),
+            ("norm_gated", (768, 256)),
+            ("weight_only", (256, 384)),  # down
+        ):
+            key = (bucket, *shape)
+            launch = skinny.fp8_launch_config(kind, *key) | {"block_k": 128}
+            monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH[kind], key, launch)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [PROMPT, PROMPT[:3], PROMPT[1:]]
+    kwargs = {"dtype": "bfloat16", "quantization": "fp8", "max_model_len": 128, "num_kv_blocks": 64}
+    default = CompilationConfig().effective_fusion_passes("cuda")
+    assert "fp8_gated_mlp" in default and "fp8_norm_linear" not in default
+    runs = []
+    for passes in (default, default + ["fp8_norm_linear"]):
+        compilation = {"level": 2, "fusion_passes": passes}
+        llm = LLM(str(tmp_path), compilation_config=compilation, max_num_seqs=4, **kwargs)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        matches = llm.engine_core.model_runner._forward.stats.pass_matches
+        layers = llm.engine_core.model_runner.hf_config.num_hidden_layers
+        del llm
+        torch.cuda.empty_cache()
+    assert matches["fp8_norm_linear"] == 2 * layers - 1  # all but layer 0's input norm
+    assert calls["plain"] > 0 and calls["gated"] > 0
+    want, got = runs
+    assert [g[0] for g in got] == [w[0] for w in want]
+    agree = sum(
+        next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(g)) for g, w in zip(got, want)
+    )
+    assert agree >= len(prompts) * 6, (got, want)
