@@ -179,20 +179,7 @@ def fp8_add_norm_linear(
     )
 
 
-@fp8_add_norm_linear.register_kernel("cuda")
-def _(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-) -> NormOut:
-    return fp8_add_norm_linear_cuda(
-        x, residual, norm_weight, eps, weight, weight_scale, out_dtype, bias
-    )
+fp8_add_norm_linear.register_kernel("cuda")(fp8_add_norm_linear_cuda)
 
 
 @fp8_add_norm_linear.register_fake
@@ -231,22 +218,7 @@ def fp8_add_norm_gated_mlp(
     )
 
 
-@fp8_add_norm_gated_mlp.register_kernel("cuda")
-def _(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    w_gate_up: torch.Tensor,
-    s_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    s_down: torch.Tensor,
-    out_dtype: torch.dtype,
-    act_dtype: torch.dtype,
-) -> NormOut:
-    return fp8_add_norm_gated_mlp_cuda(
-        x, residual, norm_weight, eps, w_gate_up, s_gate_up, w_down, s_down, out_dtype, act_dtype
-    )
+fp8_add_norm_gated_mlp.register_kernel("cuda")(fp8_add_norm_gated_mlp_cuda)
 
 
 @fp8_add_norm_gated_mlp.register_fake
