@@ -56,7 +56,19 @@ status=0
 summary="$LOG_DIR/summary.md"
 echo "# GPU suite ($MODEL)" > "$summary"
 if [[ " $STAGES " == *" tests "* ]]; then
-  python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/ 2>&1 | tee "$LOG_DIR/gpu_tests.log"
+  # TEST_PART splits the GPU tests into two device calls of under 10 minutes each: "kernels"
+  # (tests/kernels and tests/attention: compile-bound, in TEST_WORKERS processes sharing the GPU
+  # when pytest-xdist is installed: `../shared/tools/device-wheels pytest-xdist execnet`) and
+  # "rest" (the engine, model and server tests, one at a time: some measure GPU memory).
+  # Unset: everything, one at a time.
+  case "${TEST_PART:-all}" in
+    kernels) test_paths=(tests/kernels tests/attention)
+             python3 -c "import xdist" 2>/dev/null && test_paths+=(-n "${TEST_WORKERS:-8}") ;;
+    rest) test_paths=(tests --ignore=tests/kernels --ignore=tests/attention) ;;
+    *) test_paths=(tests/) ;;
+  esac
+  python3 -m pytest -m gpu -q -s -rfE -p no:cacheprovider "${test_paths[@]}" 2>  python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "${test_paths[@]}" 2>&1 \1 \
+    | tee "$LOG_DIR/gpu_tests.log"
   test_rc=${PIPESTATUS[0]}
   [ "$test_rc" -eq 0 ] || status=1
   { echo; echo "## gpu tests (rc $test_rc)"; tail -n 1 "$LOG_DIR/gpu_tests.log"
