@@ -67,7 +67,7 @@ if [[ " $STAGES " == *" tests "* ]]; then
     rest) test_paths=(tests --ignore=tests/kernels --ignore=tests/attention) ;;
     *) test_paths=(tests/) ;;
   esac
-  python3 -m pytest -m gpu -q -s -rfE -p no:cacheprovider "${test_paths[@]}" 2>  python3 -m pytest -m gpu -q -rfE -p no:cacheprovider "${test_paths[@]}" 2>&1 \1 \
+  python3 -m pytest -m gpu -q -s -rfE -p no:cacheprovider "${test_paths[@]}" 2>&1 \
     | tee "$LOG_DIR/gpu_tests.log"
   test_rc=${PIPESTATUS[0]}
   [ "$test_rc" -eq 0 ] || status=1
