@@ -177,6 +177,25 @@ def measure_gemm_tflops(m: int = 4096, n: int = 4096, k: int = 4096) -> float:
     return 2.0 * m * n * k / (ms * 1e-3) / 1e12
 
 
+def measure_copy_bytes_per_s(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy rate (bytes read + written per second) of a `nbytes` buffer, best
+    of 10: how HBM_BYTES_PER_S was measured on the H200."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    cuda_time_ms(lambda: dst.copy_(src), warmup=3, repeat=1)
+    best = min(cuda_time_ms(lambda: dst.copy_(src), warmup=0, repeat=1) for _ in range(10))
+    return 2.0 * nbytes / (best * 1e-3)
+
+
+def hbm_bytes_per_s(device_name: str, measure=measure_copy_bytes_per_s) -> tuple[float, str]:
+    """(rate, how it was found) the decode rooflines use on `device_name`: the H200's fixed
+    HBM_BYTES_PER_S, the figure the issues' goals are stated in, or on any other card its own
+    copy rate measured now (so an H100's roofline column is its own, not the H200's)."""
+    if "H200" in device_name:
+        return HBM_BYTES_PER_S, "the H200's measured copy rate"
+    return measure(), f"copy rate measured on this {device_name}"
+
+
 def commit() -> str:
     env = os.environ.get("BENCH_COMMIT")
     if env:

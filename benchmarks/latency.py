@@ -4,7 +4,8 @@ Decode: B requests of --input-len random tokens, prefilled in one step, generate
 time from their first token to their last, over N, is one decode step at batch B (by the
 requests' timestamps, so the prefill stays out). The HBM
 roofline of a step is (weights except the input embedding + the KV bytes the batch reads) at
-4.29 TB/s; the table gives roofline / measured (1.0 = at the roofline).
+4.29 TB/s on the H200 (the goals' figure), at the copy rate measured in the run on other cards;
+the table gives roofline / measured (1.0 = at the roofline).
 
 Prefill: one prompt of L tokens in one step (max_tokens=1), against the FLOP roofline at the bf16
 GEMM rate torch.mm reaches in the same run.
@@ -23,11 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_utils import (
-    HBM_BYTES_PER_S,
     ModelShape,
     append_results,
     apply_gemm_tables,
     benchmark_max_model_len,
+    hbm_bytes_per_s,
     measure_gemm_tflops,
     model_dir,
 )
@@ -168,6 +169,7 @@ def main() -> None:
     path, note = model_dir(args.model, min_positions=longest)
     max_model_len = benchmark_max_model_len(path, longest, args.max_model_len)
     gemm_tflops = measure_gemm_tflops()
+    hbm_rate, hbm_source = hbm_bytes_per_s(torch.cuda.get_device_name())
     llm = LLM(
         model=path,
         load_format="dummy",
@@ -195,8 +197,8 @@ def main() -> None:
             f"{', FP8 LM head' if args.quantize_lm_head else ''}"
             f"{', e4m3 K/V cache' if args.kv_cache_dtype == 'fp8' else ''}"
             f", {mode}, max_model_len {max_model_len}){'; ' + note if note else ''}; "
-            f"bf16 GEMM measured {gemm_tflops:.0f} TFLOP/s; HBM roofline {HBM_BYTES_PER_S / 1e12:.2f} "
-            "TB/s"
+            f"bf16 GEMM measured {gemm_tflops:.0f} TFLOP/s; HBM roofline {hbm_rate / 1e12:.2f} "
+            f"TB/s ({hbm_source})"
         ),
         "",
         f"Decode ({args.input_len}-token prompts, {args.decode_steps} steps measured):",
@@ -210,7 +212,7 @@ def main() -> None:
         )
         mean_context = args.input_len + 1 + args.decode_steps / 2
         kv_bytes = batch * mean_context * shape.kv_bytes_per_token()
-        roof_ms = (shape.decode_weight_bytes() + kv_bytes) / HBM_BYTES_PER_S * 1e3
+        roof_ms = (shape.decode_weight_bytes() + kv_bytes) / hbm_rate * 1e3
         lines.append(
             f"| {batch} | {ms:.3f} | {roof_ms:.3f} | {roof_ms / ms:.3f} | {batch / ms * 1e3:.1f} |"
         )

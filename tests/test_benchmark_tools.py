@@ -265,3 +265,19 @@ def test_gpu_suite_patches_find_their_text():
     launch = (ROOT / "v1_engine" / "kernels" / "attention_launch.py").read_text()
     assert '"FUSED_MERGE_MAX_SPLITS = 8"' in suite
     assert "\nFUSED_MERGE_MAX_SPLITS = 8\n" in launch
+
+
+def test_decode_roofline_rate_follows_the_card():
+    """latency.py's HBM rate: the H200's fixed figure (the goals are stated in it), never a
+    measurement there; any other card's own copy rate, measured."""
+    from bench_utils import HBM_BYTES_PER_S, hbm_bytes_per_s
+
+    measured = []
+
+    def measure():
+        measured.append(1)
+        return 2.9e12
+
+    assert hbm_bytes_per_s("NVIDIA H200", measure)[0] == HBM_BYTES_PER_S and not measured
+    rate, source = hbm_bytes_per_s("NVIDIA H100 80GB HBM3", measure)
+    assert rate == 2.9e12 and measured == [1] and "H100" in source
