@@ -8,7 +8,7 @@
 # $OUT (the device tool's output folder) or benchmarks/logs/.
 # Knobs: BENCH_MODEL (a folder of benchmarks/configs, default llama3-8b), LATENCY_ARGS,
 # THROUGHPUT_ARGS (extra flags), SUITE_STAGES (any of: tests latency throughput startup fp8
-# deepseek profile sweeps fp8tests fp8decode fp8ab fp8goal modes mergeab normab; default the first three). `sweeps` runs
+# deepseek profile sweeps fp8tests fp8decode fp8ab fp8goal modes mergeab normab bf16normab; default the first three). `sweeps` runs
 # the launch sweeps of the skinny GEMM and the attention kernel: paste their tables. The FP8
 # decode stages, each meant for one 10-minute device call: `fp8tests` the GPU tests of the
 # FP8 decode kernels, ops and passes; `fp8decode` their sweeps at M 1 / 2 / 4 into one table
@@ -21,7 +21,8 @@
 # host. `mergeab` times decode at batch 4 / 8 with long contexts with the split-KV merge in the
 # attention launch and with the merge kernel (FUSED_MERGE_MAX_SPLITS patched to 0), alternating.
 # `normab` runs fp8_norm_linear's GPU tests, sweeps its "norm" kinds at M = 1 and times FP8
-# batch 1 without and with the pass and those entries, GOAL_PROCS rounds.
+# batch 1 without and with the pass and those entries, GOAL_PROCS rounds. `bf16normab` does the
+# same for skinny_norm_linear (bf16 batch 1 and 64 x 1k, NORM_IN_M_BUCKETS patched).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=${OUT:-benchmarks/logs}
@@ -252,6 +253,33 @@ if [[ " $STAGES " == *" normab "* ]]; then
     tail -n 1 "$LOG_DIR/normab_tests.log"
     grep -E "^\| |wrote" "$LOG_DIR/normab_sweeps.log"
     grep -E "^### round|^\| 1 " "$LOG_DIR/normab.log"; } >> "$summary"
+fi
+if [[ " $STAGES " == *" bf16normab "* ]]; then
+  # skinny_norm_linear (the add + RMSNorm folded into the bf16 skinny GEMM after it): its GPU
+  # tests, then bf16 decode with the pass on, NORM_IN_M_BUCKETS empty (the op runs the norm
+  # kernel and the GEMM: the base) against (1,) and (1, 64), alternating in one process each.
+  python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_skinny_epilogues.py \
+    tests/compile/test_skinny_fusion.py -k "fold or norm_linear" 2>&1 \
+    | tee "$LOG_DIR/bf16normab_tests.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  variants="$LOG_DIR/bf16normab.json"
+  python3 - "$variants" <<'PY'
+import json, sys
+path = "v1_engine/kernels/skinny_epilogues.py"
+old = "NORM_IN_M_BUCKETS: tuple[int, ...] = ()"
+fold = [[path, old, "NORM_IN_M_BUCKETS: tuple[int, ...] = (1,)"]]
+fold64 = [[path, old, "NORM_IN_M_BUCKETS: tuple[int, ...] = (1, 64)"]]
+json.dump([["base", []], ["fold M=1", fold], ["fold M=1,64", fold64]] * 2, open(sys.argv[1], "w"))
+PY
+  for shape in "--batch-sizes 1 --decode-steps 64" "--batch-sizes 64 --input-len 1024"; do
+    python3 benchmarks/ab_variants.py "$variants" "python3 benchmarks/latency.py --model $MODEL \
+      $shape --prefill-lens '' --repeats 2 --add-fusion-passes skinny_norm_linear" 2>&1 \
+      | tee -a "$LOG_DIR/bf16normab.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+  { echo; echo "## skinny_norm_linear (tests; bf16 batch 1 and 64 x 1k by variant)"
+    tail -n 1 "$LOG_DIR/bf16normab_tests.log"
+    grep -E "^== |^ *\| [0-9]" "$LOG_DIR/bf16normab.log"; } >> "$summary"
 fi
 cp benchmarks/RESULTS.md "$LOG_DIR/RESULTS.md" 2>/dev/null
 cat "$summary"

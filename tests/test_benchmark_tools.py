@@ -265,6 +265,9 @@ def test_gpu_suite_patches_find_their_text():
     launch = (ROOT / "v1_engine" / "kernels" / "attention_launch.py").read_text()
     assert '"FUSED_MERGE_MAX_SPLITS = 8"' in suite
     assert "\nFUSED_MERGE_MAX_SPLITS = 8\n" in launch
+    epilogues = (ROOT / "v1_engine" / "kernels" / "skinny_epilogues.py").read_text()
+    assert 'old = "NORM_IN_M_BUCKETS: tuple[int, ...] = ()"' in suite
+    assert "\nNORM_IN_M_BUCKETS: tuple[int, ...] = ()\n" in epilogues
 
 
 def test_decode_roofline_rate_follows_the_card():

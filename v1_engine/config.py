@@ -171,6 +171,7 @@ FUSION_PASSES = (
     "fp8_dynamic_linear",
     "fp8_norm_linear",
     "skinny_silu_mul",
+    "skinny_norm_linear",
     "fused_mlp",
     "skinny_add_rms_norm",
     "rope_kv_cache",
@@ -180,6 +181,7 @@ OPT_IN_FUSION_PASSES = (
     "fused_mlp",
     "fp8_dynamic_linear",
     "fp8_norm_linear",
+    "skinny_norm_linear",
 )
 """Passes applied only when `fusion_passes` names them: measured slower than the unfused ops
 (the norm in the last tile of the GEMM: batch 1 4.50 vs 4.33 ms a step, benchmarks/RESULTS.md,
@@ -192,7 +194,9 @@ without the FP8 head: runs on the H100 are bimodal (bf16 too, without it), so it
 the H200 ("Per-process bimodal step times", RESULTS.md). fp8_gated_mlp is on: 3.373 -> 3.287
 ms there. fp8_norm_linear (each layer's two add + RMSNorm kernels folded into the FP8 GEMM after
 them at decode sizes) is written but not yet measured, and its "norm" / "norm_gated" launch
-tables are empty, so even named it runs the quantized chain until a sweep fills them."""
+tables are empty, so even named it runs the quantized chain until a sweep fills them.
+skinny_norm_linear (the same fold for the bf16 skinny GEMMs: qkv, gate_up, the LM head) is
+written but not measured either; kernels/skinny_epilogues.NORM_IN_M_BUCKETS is empty."""
 
 
 @dataclass

@@ -18,6 +18,7 @@ from compile.passes.fusion import (
     fuse_rope_kv_cache,
     fuse_silu_and_mul,
     fuse_skinny_add_rms_norm,
+    fuse_skinny_norm_linear,
     fuse_skinny_silu_mul,
 )
 
@@ -30,6 +31,7 @@ FUSION_PASSES: dict[str, Callable[[fx.GraphModule], int]] = {
     "fp8_dynamic_linear": fuse_fp8_dynamic_linear,
     "fp8_norm_linear": fuse_fp8_norm_linear,
     "skinny_silu_mul": fuse_skinny_silu_mul,
+    "skinny_norm_linear": fuse_skinny_norm_linear,
     "fused_mlp": fuse_mlp,
     "skinny_add_rms_norm": fuse_skinny_add_rms_norm,
     "rope_kv_cache": fuse_rope_kv_cache,
@@ -48,5 +50,6 @@ __all__ = [
     "fuse_silu_and_mul",
     "fuse_silu_and_mul_fp8_quant",
     "fuse_skinny_add_rms_norm",
+    "fuse_skinny_norm_linear",
     "fuse_skinny_silu_mul",
 ]

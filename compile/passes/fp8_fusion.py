@@ -23,6 +23,7 @@ from compile.passes.fusion import (
     _match_rms_norm,
     _only_used_by,
     _outputs_by_index,
+    _read_between,
     fuse_add_rms_norm,
     fuse_silu_and_mul,
 )
@@ -354,18 +355,6 @@ def fuse_fp8_gated_mlp(gm: fx.GraphModule) -> int:
 # norm into the GEMM at the decode sizes the "norm" / "norm_gated" tables hold.
 
 
-def _read_before(values: list[fx.Node], start: fx.Node, end: fx.Node) -> bool:
-    """Whether a node strictly between `start` and `end` in graph order reads any of `values`
-    (the fused op is inserted at `end`, so such a reader would precede its definition)."""
-    readers = {user for value in values for user in value.users}
-    node = start.next
-    while node is not end and node.op != "root":
-        if node in readers:
-            return True
-        node = node.next
-    return False
-
-
 def fuse_fp8_norm_linear(gm: fx.GraphModule) -> int:
     """add_rms_norm_per_token_fp8_quant(x, r, w, eps) whose (q, scale) feed only scaled_mm(q, W,
     scale, ...) => `v1_engine::fp8_add_norm_linear`; feeding only fp8_gated_mlp(q, scale, ...)
@@ -389,7 +378,7 @@ def fuse_fp8_norm_linear(gm: fx.GraphModule) -> int:
         x, residual, norm_weight, eps = norm.args
         example = _example(x) if isinstance(x, fx.Node) else None
         old_sums = _outputs_by_index(norm).get(2, [])
-        if example is None or example.dim() != 2 or _read_before(old_sums, norm, node):
+        if example is None or example.dim() != 2 or _read_between(old_sums, norm, node):
             continue
         if op is ops.fp8_add_norm_linear.default:
             _, weight, _, weight_scale, out_dtype, bias = _scaled_mm_call(node)

@@ -134,6 +134,41 @@ def _(
     return linear_add_rms_norm_cuda(x, weight, residual, norm_weight, eps)
 
 
+@torch.library.custom_op("v1_engine::skinny_add_norm_linear", mutates_args=())
+def skinny_add_norm_linear(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, gated: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(y, x + residual) for y = F.linear(normed, weight) with (normed, .) =
+    fused_add_rms_norm(x, residual, norm_weight, eps), silu_and_mul(y) where `gated`: a norm and
+    the qkv_proj or gate_up_proj after it; on CUDA at measured decode sizes one kernel with the
+    norm folded into the GEMM (kernels/skinny_epilogues.py)."""
+    normed, summed = fused_add_rms_norm_ref(x, residual, norm_weight, eps)
+    y = F.linear(normed, weight)
+    return (silu_and_mul_ref(y) if gated else y), summed
+
+
+@skinny_add_norm_linear.register_fake
+def _skinny_add_norm_linear_fake(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, gated: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    _, summed = _fused_add_rms_norm_fake(x, residual, norm_weight, eps)
+    width = weight.shape[0] // 2 if gated else weight.shape[0]
+    dtype = torch.promote_types(norm_weight.dtype, x.dtype)
+    return x.new_empty((x.shape[0], width), dtype=dtype), summed
+
+
+@skinny_add_norm_linear.register_kernel("cuda")
+def _(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, gated: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    from v1_engine.kernels.skinny_epilogues import add_norm_linear_cuda
+
+    return add_norm_linear_cuda(x, residual, norm_weight, eps, weight, gated)
+
+
 # ---- the MLP and the norm after it in one op (kernels/triton_mlp.py) -------------------------
 
 

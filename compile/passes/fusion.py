@@ -271,6 +271,66 @@ def fuse_skinny_add_rms_norm(gm: fx.GraphModule) -> int:
     return _fuse_into_skinny(gm, ops.fused_add_rms_norm, ops.skinny_linear_add_rms_norm.default)
 
 
+def _read_between(values: list[fx.Node], start: fx.Node, end: fx.Node) -> bool:
+    """Whether a node strictly between `start` and `end` in graph order reads any of `values`
+    (an op inserted at `end` that defines them would come after such a reader)."""
+    readers = {user for value in values for user in value.users}
+    node = start.next
+    while node is not end and node.op != "root":
+        if node in readers:
+            return True
+        node = node.next
+    return False
+
+
+def fuse_skinny_norm_linear(gm: fx.GraphModule) -> int:
+    """fused_add_rms_norm(x, r, w, eps) whose normed output feeds only skinny_linear(., W) (no
+    bias) or skinny_linear_silu_mul(., W) => `v1_engine::skinny_add_norm_linear(x, r, w, eps, W,
+    gated)`, the residual sum its second output (x 2-D, nothing between the two reading that
+    sum). Runs fuse_add_rms_norm first; after skinny_silu_mul to see the gated form. Returns
+    matches."""
+    fuse_add_rms_norm(gm)
+    ops = torch.ops.v1_engine
+    graph, count = gm.graph, 0
+    for norm in list(graph.nodes):
+        if not _is_op(norm, ops.fused_add_rms_norm) or len(norm.args) != 4 or norm.kwargs:
+            continue
+        outputs = _outputs_by_index(norm)
+        normed = (outputs or {}).get(0, [])
+        if outputs is None or len(normed) != 1 or len(normed[0].users) != 1:
+            continue
+        (consumer,) = normed[0].users
+        if _is_op(consumer, ops.skinny_linear_silu_mul) and len(consumer.args) == 2:
+            gated = True
+        elif _skinny_linear_args(consumer) is not None:
+            gated = False
+        else:
+            continue
+        x = norm.args[0]
+        example = _example(x) if isinstance(x, fx.Node) else None
+        sums = outputs.get(1, [])
+        if consumer.args[0] is not normed[0] or example is None or example.dim() != 2:
+            continue
+        if _read_between(sums, norm, consumer):
+            continue
+        with graph.inserting_before(consumer):
+            fused = graph.call_function(
+                ops.skinny_add_norm_linear.default, (*norm.args, consumer.args[1], gated)
+            )
+            out = graph.call_function(operator.getitem, (fused, 0))
+            summed = graph.call_function(operator.getitem, (fused, 1))
+        _copy_example(consumer, out)
+        consumer.replace_all_uses_with(out)
+        for old in sums:
+            _copy_example(old, summed)
+            old.replace_all_uses_with(summed)
+        _erase(graph, [consumer, normed[0], *sums, norm])
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
 def _gated_source(h: object, down: fx.Node) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
     """(x, w_gate_up, nodes) when `h`, read by `down` alone, is `skinny_linear_silu_mul(x, w)`
     or `silu_and_mul(skinny_linear(x, w))` (the nodes to erase, users first)."""

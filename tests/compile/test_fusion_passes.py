@@ -120,6 +120,7 @@ def test_fusion_passes_default_by_device():
         "fused_mlp",
         "fp8_dynamic_linear",
         "fp8_norm_linear",
+        "skinny_norm_linear",
     )
     assert default == [name for name in FUSION_PASSES if name not in OPT_IN_FUSION_PASSES]
     assert "skinny_silu_mul" in default and "fp8_gated_mlp" in default

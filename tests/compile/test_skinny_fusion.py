@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from compile.compiled_forward import CompiledForward
-from compile.passes import fuse_skinny_add_rms_norm, fuse_skinny_silu_mul
+from compile.passes import fuse_skinny_add_rms_norm, fuse_skinny_norm_linear, fuse_skinny_silu_mul
 from v1_engine.attention.selector import get_attn_backend
 from v1_engine.config import FUSION_PASSES
 from v1_engine.forward_context import set_forward_context
@@ -143,6 +143,66 @@ def test_passes_on_tiny_llama_forward(tiny_llama_dir, monkeypatch):
         "skinny_add_rms_norm": 2 * layers,
     }
     assert forward.stats.num_traces == 1
+
+
+def test_norm_linear_pass_on_tiny_llama_forward(tiny_llama_dir, monkeypatch):
+    """skinny_norm_linear after skinny_silu_mul: every residual add + RMSNorm feeding a skinny
+    GEMM becomes one op: qkv_proj of layers 1.. (layer 0's input norm has no residual) and every
+    gate_up (the gated form); the final norm stays (the CPU's LM head is F.linear). Bit-identical
+    on the CPU, where the op runs the norm and F.linear."""
+    monkeypatch.setattr(
+        UnquantizedLinearMethod,
+        "apply",
+        lambda self, layer, x, bias: triton_gemv.skinny_linear(x, layer.weight, bias),
+    )
+    config = load_hf_config(str(tiny_llama_dir))
+    cpu = torch.device("cpu")
+    model = get_model(
+        config, str(tiny_llama_dir), dtype=torch.float32, device=cpu, load_format="auto", seed=0
+    )
+    graphs: list[torch.fx.GraphModule] = []
+    passes = [
+        ("skinny_silu_mul", fuse_skinny_silu_mul),
+        ("skinny_norm_linear", fuse_skinny_norm_linear),
+        ("record", graphs.append),
+    ]
+    forward = CompiledForward(model, passes=passes, use_inductor=False)
+    layers = config.num_hidden_layers
+    with (
+        torch.inference_mode(),
+        set_forward_context(None, get_attn_backend(cpu), model.attention_layers()),
+    ):
+        for num_tokens in (4, 1, 9):
+            input_ids = torch.randint(0, config.vocab_size, (num_tokens,))
+            positions = torch.arange(num_tokens)
+            assert torch.equal(forward(input_ids, positions), model(input_ids, positions))
+    assert forward.stats.pass_matches["skinny_norm_linear"] == 2 * layers - 1
+    gated = sum(
+        1
+        for node in graphs[0].graph.nodes
+        if _count_one(node, "skinny_add_norm_linear") and node.args[5] is True
+    )
+    assert gated == layers
+    assert (
+        _count(graphs[0], "skinny_add_norm_linear")
+        == forward.stats.pass_matches["skinny_norm_linear"]
+    )
+    assert _count(graphs[0], "fused_add_rms_norm") == 1  # the final norm
+    assert _count(graphs[0], "skinny_linear_silu_mul") == 0
+
+
+def test_skinny_add_norm_linear_passes_opcheck():
+    x, residual = torch.randn(3, 64), torch.randn(3, 64)
+    norm_w, w = torch.randn(64), torch.randn(32, 64)
+    for gated in (False, True):
+        torch.library.opcheck(
+            torch.ops.v1_engine.skinny_add_norm_linear.default,
+            (x, residual, norm_w, 1e-5, w, gated),
+        )
+
+
+def _count_one(node: torch.fx.Node, name: str) -> bool:
+    return node.op == "call_function" and str(node.target).split(".")[1:2] == [name]
 
 
 # ---- on the GPU: the Llama-3-8B widths, where the skinny kernels and their epilogues run -------

@@ -29,6 +29,11 @@ NORM = {  # name: (M, mode, block_n, block_k, split_k); Llama-3-8B down_proj [40
     "norm_m4_swap": (4, "dot_swap", 64, 256, 1),
     "norm_m2_swap_split2": (2, "dot_swap", 64, 128, 2),
 }
+FOLD = {  # name: (M, mode, block_n, block_k, gated); the add + RMSNorm folded in (NORM_IN)
+    "fold_qkv_m1_fma": (1, "fma", 8, 256, False),  # qkv_proj [6144, 4096]
+    "fold_gated_m1_fma": (1, "fma", 2, 512, True),  # gate_up [28672, 4096]
+    "fold_gate_up_m64_dot": (64, "dot", 64, 128, False),  # the M = 64 entry, ungated
+}
 
 
 def describe() -> dict:
@@ -37,6 +42,7 @@ def describe() -> dict:
     return {
         "gated": constexprs["GATED"],
         "add_norm": constexprs["ADD_NORM"],
+        "norm_in": constexprs["NORM_IN"],
         "split": constexprs["SPLIT_K"],
         **semaphore_usage(compiled),
     }
@@ -60,6 +66,17 @@ def main() -> None:
         launch = {"mode": mode, "block_n": block_n, "block_k": block_k, "num_stages": 4}
         skinny_epilogues.skinny_gemm_add_rms_norm(
             x, w, residual, norm_w, 1e-5, num_warps=4, split_k=split, **launch
+        )
+        results[name] = describe()
+    for name, (m, mode, block_n, block_k, gated) in FOLD.items():
+        w = torch.zeros(28672 if gated else 6144, 4096, dtype=torch.bfloat16)
+        x, residual = (
+            torch.zeros(m, 4096, dtype=torch.bfloat16),
+            torch.zeros(m, 4096, dtype=torch.bfloat16),
+        )
+        launch = {"mode": mode, "block_n": block_n, "block_k": block_k, "num_stages": 4}
+        skinny_epilogues.skinny_gemm_add_norm(
+            x, residual, norm_w[:4096], 1e-5, w, gated, num_warps=4, **launch
         )
         results[name] = describe()
     json.dump(results, sys.stdout)

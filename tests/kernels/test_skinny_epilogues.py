@@ -5,6 +5,8 @@ split-K, the semaphores), on the device with CUDA (the Llama-3-8B shapes, CUDA g
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -152,15 +154,98 @@ def test_cuda_bodies_dispatch_interpreted(monkeypatch):
         assert_within_ulps(normed, ref_normed)
 
 
+def folded_norm_ref(x, residual, norm_w, weight, eps, gated):
+    """(y, h) of the folded norm in float64 from the same operands (h rounded as the add)."""
+    h = (x.float() + residual.float()).to(x.dtype)
+    hd = h.double()
+    normed = hd * torch.rsqrt(hd.pow(2).mean(-1, keepdim=True) + eps) * norm_w.double()
+    y = (normed @ weight.double().t()).to(x.dtype)
+    return (silu_and_mul_ref(y) if gated else y), h
+
+
+@interpreter_only
+@pytest.mark.parametrize(("mode", "m"), modes(1, 3, 17))
+@pytest.mark.parametrize("gated", [False, True])
+def test_folded_norm_matches_the_formula_interpreted(mode, m, gated):
+    """The add + RMSNorm folded into the GEMM: the residual sum bit-identical to the add (written
+    by program 0 alone), the output within 2 ulps of the folded formula in float64; N = 48 (24
+    gated outputs) and K = 96 leave masked tiles; rows do not leak into each other (one loud
+    row)."""
+    n, k, eps = 48, 96, 1e-5
+    x, residual = values((m, k), torch.bfloat16, m), values((m, k), torch.bfloat16, m + 7)
+    x[m // 2] *= 40.0
+    norm_w = (1.0 + 0.2 * values((k,), torch.float32, 3)).to(torch.bfloat16)
+    weight = (0.1 * values((n, k), torch.float32, 4)).to(torch.bfloat16)
+    launch = {"mode": mode, "block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 2}
+    out, h = epilogues.skinny_gemm_add_norm(x, residual, norm_w, eps, weight, gated, **launch)
+    want, want_h = folded_norm_ref(x, residual, norm_w, weight, eps, gated)
+    assert torch.equal(h, want_h)
+    assert out.shape == (m, n // 2 if gated else n)
+    assert_within_ulps(out, want)
+    with pytest.raises(ValueError, match="split_k must be 1"):
+        epilogues.skinny_gemm_add_norm(x, residual, norm_w, eps, weight, **launch, split_k=2)
+
+
+@interpreter_only
+def test_add_norm_linear_dispatch_interpreted(monkeypatch):
+    """The op's CUDA body on CPU tensors: the add + RMSNorm kernel and the GEMM op outside
+    NORM_IN_M_BUCKETS (empty until measured), without a measured launch or with a split one; the
+    folded kernel with both, gated in the kernel where GATED_M_BUCKETS has M, else followed by
+    the SiLU-and-mul kernel."""
+    calls: list[bool] = []
+    real = epilogues.skinny_gemm_add_norm
+    monkeypatch.setattr(
+        epilogues, "skinny_gemm_add_norm", lambda *a, **kw: calls.append(a[5]) or real(*a, **kw)
+    )
+    assert epilogues.NORM_IN_M_BUCKETS == () and epilogues.GATED_M_BUCKETS == (1,)
+    n, k, eps = 24, 64, 1e-5
+    norm_w = values((k,), torch.bfloat16, 3)
+    w, w2 = values((n, k), torch.bfloat16, 4), values((2 * n, k), torch.bfloat16, 5)
+    tuned = {"mode": "dot_swap", "block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 2}
+
+    def check(m: int, folded: bool) -> None:
+        x, residual = values((m, k), torch.bfloat16, m), values((m, k), torch.bfloat16, m + 1)
+        normed, summed = fused_add_rms_norm_ref(x, residual, norm_w, eps)
+        for weight, gated in ((w, False), (w2, True)):
+            out, h = epilogues.add_norm_linear_cuda(x, residual, norm_w, eps, weight, gated)
+            if folded:
+                want = folded_norm_ref(x, residual, norm_w, weight, eps, gated)[0]
+            else:
+                chain = F.linear(normed, weight)
+                want = silu_and_mul_ref(chain) if gated else chain
+            assert_within_ulps(out, want)
+            assert torch.equal(h, summed)
+
+    check(1, folded=False)
+    monkeypatch.setattr(epilogues, "NORM_IN_M_BUCKETS", (1, 2))
+    check(1, folded=False)  # no measured launch
+    assert calls == []
+    for bucket, shape in itertools.product((1, 2), ((n, k), (2 * n, k))):
+        monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (bucket, *shape), tuned)
+    check(1, folded=True)
+    assert calls == [False, True]  # the gated epilogue in the kernel at M = 1
+    check(2, folded=True)
+    assert calls == [False, True, False, False]  # at M = 2 the SiLU-and-mul kernel after it
+    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (2, n, k), tuned | {"split_k": 2})
+    x, residual = values((2, k), torch.bfloat16, 8), values((2, k), torch.bfloat16, 9)
+    epilogues.add_norm_linear_cuda(x, residual, norm_w, eps, w, False)  # split: the chain
+    assert len(calls) == 4
+
+
 def test_epilogues_compile_for_sm90(run_compile_probe):
     """The epilogue launches compile for the GPU (the interpreter accepts more) without spills.
-    Gated: no synchronization at all. Add + norm: one acq_rel arrival after a barrier over the
+    Gated and the folded norm (NORM_IN): no synchronization at all; the folded norm at M = 64
+    holds the [64, 128] activation tile's float32 math in 209 registers. Add + norm: one acq_rel arrival after a barrier over the
     tile's stores, the counter reset by an exchange, the other tiles' outputs read past L1; a
     split launch has the tile semaphore's pair of atomics besides."""
     cases = run_compile_probe("skinny_epilogue_probe.py")
-    assert len(cases) == 6
+    assert len(cases) == 9
     for name, info in cases.items():
         assert info["stack"] == 0, (name, info)
+        if info["norm_in"]:  # the folded norm: no synchronization either
+            assert (info["acq_rel_adds"], info["exchanges"], info["reads_past_l1"]) == (0, 0, 0)
+            assert info["registers"] <= (255 if name.endswith("m64_dot") else 128), (name, info)
+            continue
         atomics = (0, 0) if info["gated"] else (1, 1)
         if info["split"] > 1:
             atomics = (atomics[0] + 1, atomics[1] + 1)
@@ -226,6 +311,30 @@ def test_add_norm_llama3_shapes_gpu(name, m):
         again = torch.ops.v1_engine.skinny_linear_add_rms_norm(x, w, residual, norm_w, 1e-5)
         assert torch.equal(again[0], normed) and torch.equal(again[1], summed)
     assert _no_semaphore_left(x.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("m", "shape", "gated"),
+    [(1, "qkv", False), (1, "gate_up", True), (64, "gate_up", False), (64, "qkv", False)],
+)
+def test_folded_norm_llama3_shapes_gpu(m, shape, gated):
+    """The folded norm at the launches the op would take (the bf16 table's, gated halved) on
+    the Llama-3-8B shapes: the residual sum bit-identical to the add, the output within 2 ulps
+    of the folded formula (one more rounding on the tensor-core path: h * w to bf16)."""
+    n, k = {"qkv": (6144, 4096), "gate_up": (28672, 4096)}[shape]
+    x, residual = (
+        values((m, k), torch.bfloat16, m, "cuda"),
+        values((m, k), torch.bfloat16, 2, "cuda"),
+    )
+    norm_w = (1.0 + 0.2 * values((k,), torch.float32, 3, "cuda")).to(torch.bfloat16)
+    weight = (0.02 * values((n, k), torch.float32, 4, "cuda")).to(torch.bfloat16)
+    launch = {} if triton_gemv.TUNED_LAUNCH.get((m, n, k)) else {"mode": "dot", "block_n": 64}
+    launch |= {"split_k": 1}
+    out, h = epilogues.skinny_gemm_add_norm(x, residual, norm_w, 1e-5, weight, gated, **launch)
+    want, want_h = folded_norm_ref(x, residual, norm_w, weight, 1e-5, gated)
+    assert torch.equal(h, want_h)
+    assert_within_ulps(out, want)
 
 
 @pytest.mark.gpu

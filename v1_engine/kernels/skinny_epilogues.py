@@ -45,6 +45,10 @@ epilogues"), Llama-3-8B shape, decode ms a step, unfused vs gated: batch 1 (the 
 4.33 vs 4.28; batches 2-16 (dot_swap, half the gate_up block_n) 4.44-4.68 vs 4.90-5.19;
 batch 64 5.41 vs 5.41."""
 
+NORM_IN_M_BUCKETS: tuple[int, ...] = ()
+"""M buckets the folded-norm kernel (`skinny_gemm_add_norm`, the `skinny_norm_linear` pass's op)
+runs for; the others take the add + RMSNorm kernel and the GEMM op. Empty until measured."""
+
 NORM_EPILOGUE_MAX_M = 4
 """Most rows the ADD_NORM epilogue takes (its last program walks them all); beyond, the GEMM is
 followed by the add + RMSNorm kernel, whose programs split the rows."""
@@ -105,6 +109,35 @@ def skinny_gemm_add_rms_norm(
     return normed, residual_out
 
 
+def skinny_gemm_add_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    gated: bool = False,
+    **launch: int | str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h) for h = x + residual (rounded to x's dtype) and y = (rmsnorm(h) * norm_weight) @
+    weight^T, or silu_and_mul of it when `gated` (weight = [gate; up]), in one kernel: the norm
+    folded into the GEMM (NORM_IN; each program sums h^2 over the K it walks and scales its rows
+    at the end), so the add + RMSNorm costs no kernel of its own. x and residual [M, K] in one
+    dtype with unit last strides, norm_weight [K]; never split."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    assert residual.shape == (m, k) and residual.stride(1) == 1 and norm_weight.shape == (k,)
+    assert residual.dtype == x.dtype
+    config = gated_launch(m, n, k, launch) if gated else resolve_launch(m, n, k, launch)
+    if config["split_k"] != 1:
+        raise ValueError(f"launch split_k must be 1 for the folded norm, got {config['split_k']}")
+    out = torch.empty((m, n // 2 if gated else n), dtype=x.dtype, device=x.device)
+    h = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    norm_in = (residual, norm_weight.contiguous(), float(eps), h)
+    _launch(x, weight, None, out, config, gated=gated, norm_in=norm_in)
+    return out, h
+
+
 def silu_mul_linear_cuda(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu_and_mul(x @ weight^T) on CUDA: the gated kernel for GATED_M_BUCKETS where the
     gate_up shape has a measured skinny launch, else the GEMM op's body and the SiLU-and-mul
@@ -152,3 +185,48 @@ def linear_add_rms_norm_cuda(
 
         return fused_add_rms_norm_ref(y, residual, norm_weight, eps)
     return add_rms_norm(y, residual, norm_weight, eps)
+
+
+def _silu_and_mul_cuda(x: torch.Tensor) -> torch.Tensor:
+    from v1_engine.kernels import triton_fused
+
+    return triton_fused.silu_and_mul(x)
+
+
+def add_norm_linear_cuda(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    gated: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rmsnorm(x + residual) * norm_weight, weight) [then silu_and_mul where `gated`],
+    x + residual) on CUDA: one kernel (the norm folded in) for NORM_IN_M_BUCKETS where the GEMM
+    shape has a measured unsplit skinny launch and every operand is in x's dtype, else the add +
+    RMSNorm kernel and the GEMM op's body (the gated one where `gated`)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if (
+        m_bucket(m) in NORM_IN_M_BUCKETS
+        and fits_skinny(x, weight, None)
+        and residual.dtype == x.dtype == norm_weight.dtype
+        and residual.shape == x.shape
+        and residual.stride(1) == 1
+        and norm_weight.shape == (k,)
+        and (not gated or n % 2 == 0)
+        and prefers_skinny(m, n, k)
+    ):
+        # The gated epilogue where silu_mul_linear_cuda takes it; elsewhere the SiLU-and-mul
+        # kernel after the folded GEMM (the gated dot body at M = 64 spills).
+        in_kernel = gated and m_bucket(m) in GATED_M_BUCKETS
+        config = gated_launch(m, n, k, {}) if in_kernel else launch_config(m, n, k)
+        if config["split_k"] == 1:
+            out, h = skinny_gemm_add_norm(x, residual, norm_weight, eps, weight, in_kernel)
+            return (_silu_and_mul_cuda(out) if gated and not in_kernel else out), h
+    from v1_engine.kernels.triton_fused import add_rms_norm
+
+    normed, summed = add_rms_norm(x, residual, norm_weight, eps)
+    if gated:
+        return silu_mul_linear_cuda(normed, weight), summed
+    return skinny_linear_cuda(normed, weight), summed

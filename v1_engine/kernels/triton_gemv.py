@@ -110,12 +110,15 @@ def _skinny_gemm_kernel(
     SPLIT_K: tl.constexpr,
     GATED: tl.constexpr,
     ADD_NORM: tl.constexpr,
+    NORM_IN: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     HW: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (n, s): BLOCK_N output columns over the s-th k_per_split-wide slice of K (all of K
-    when SPLIT_K is 1; MODE, the split and the GATED / ADD_NORM epilogues: see the module)."""
+    when SPLIT_K is 1; MODE, the split and the GATED / ADD_NORM epilogues: see the module).
+    NORM_IN (SPLIT_K 1): x is rmsnorm(x + residual) * norm_w, folded in (see _fold_norm_step);
+    program 0 stores x + residual to residual_out."""
     pdl_wait(PDL)
     tile = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split
@@ -136,13 +139,21 @@ def _skinny_gemm_kernel(
     if GATED:  # the up rows sit N rows below the gate rows; their own accumulator
         u_ptrs = w_ptrs + N.to(tl.int64) * stride_wn
         acc_u = tl.zeros_like(acc)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # NORM_IN: each row's sum of squares
+    r_ptrs = residual_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_k[None, :]
+    h_ptrs = residual_out_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
     # An explicit num_stages on the loop pipelines the loads even where no tl.dot consumes them.
     for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k[None, :] < k_end - k
         w_mask = n_mask[:, None] & k_mask
         w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_last")
-        if DOT_F32:
+        if NORM_IN:
+            x, ss = _fold_norm_step(x, r_ptrs, h_ptrs, norm_w_ptr + k, offs_k, m_mask, k_mask,
+                                    tile, ss, MODE, DOT_F32, HW)  # fmt: skip
+            r_ptrs += BLOCK_K
+            h_ptrs += BLOCK_K
+        elif DOT_F32:
             x = x.to(tl.float32)
         acc = _accumulate(acc, x, w, MODE, DOT_F32)
         if GATED:
@@ -153,8 +164,14 @@ def _skinny_gemm_kernel(
         x_ptrs += BLOCK_K
     pdl_release(PDL)
     result = _tile_result(acc, MODE)
+    if NORM_IN:
+        rstd = tl.rsqrt(ss / K + eps)[:, None]
+        result = result * rstd
     if GATED:
-        result = _silu_mul(result, _tile_result(acc_u, MODE), out_ptr.dtype.element_ty, HW)
+        up = _tile_result(acc_u, MODE)
+        if NORM_IN:
+            up = up * rstd
+        result = _silu_mul(result, up, out_ptr.dtype.element_ty, HW)
     tile_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         split = (partial_ptr, arrivals_ptr, tile, offs_m, offs_n, tile_mask, M, N)
@@ -174,6 +191,29 @@ def _skinny_gemm_kernel(
             _add_norm_last(out_ptr, residual_ptr, norm_w_ptr, normed_ptr, residual_out_ptr,
                            arrivals_ptr + tl.num_programs(0), M, N, stride_om, stride_rm, eps,
                            NORM_BLOCK, HW)  # fmt: skip
+
+
+@triton.jit
+def _fold_norm_step(x, r_ptrs, h_ptrs, norm_w_ptrs, offs_k, m_mask, k_mask, tile, ss,
+                    MODE: tl.constexpr, DOT_F32: tl.constexpr, HW: tl.constexpr):  # fmt: skip
+    """NORM_IN's K step: h = x + residual rounded to x's dtype as the unfused add rounds it
+    (program `tile` 0 stores it, the next residual), ss + each row's h^2, and the GEMM's
+    operand h * norm_w (float32 for the fma body and under DOT_F32, x's dtype for the tensor
+    cores). RMSNorm is a per-row scale, so it factors out of the GEMM:
+    (rmsnorm(h) * w) @ W^T = rsqrt(mean(h^2) + eps) * ((h * w) @ W^T), applied at the end."""
+    dtype = x.dtype
+    mask = m_mask[:, None] & k_mask
+    r = tl.load(r_ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
+    h = _round_to(x.to(tl.float32) + r.to(tl.float32), dtype, HW)
+    lane = (offs_k[None, :] * 0 + m_mask[:, None].to(tl.int32) * 0) + tile
+    tl.store(h_ptrs, h.to(dtype), mask=mask & (lane == 0))
+    wn = tl.load(
+        norm_w_ptrs + offs_k[None, :], mask=k_mask, other=0.0, eviction_policy="evict_last"
+    )
+    a = h * wn.to(tl.float32)
+    if MODE != 2 and not DOT_F32:
+        a = a.to(dtype)
+    return a, ss + tl.sum(h * h, axis=1)
 
 
 @triton.jit
@@ -416,6 +456,7 @@ def _constexprs(
         "SPLIT_K": config["split_k"],
         "GATED": False,
         "ADD_NORM": False,
+        "NORM_IN": False,
         "NORM_BLOCK": NORM_BLOCK,
         "HW": not interpreting(),
         "num_warps": config["num_warps"],
@@ -435,9 +476,11 @@ def _launch(
     config: dict,
     gated: bool = False,
     norm: tuple | None = None,
+    norm_in: tuple | None = None,
 ) -> None:
     """One launch of the kernel over out's N columns; `norm` = (residual, norm_weight, eps,
-    normed, residual_out) turns the ADD_NORM epilogue on."""
+    normed, residual_out) turns the ADD_NORM epilogue on; `norm_in` = (residual, norm_weight,
+    eps, residual_out) folds the add + RMSNorm before the GEMM in (x is the add's input)."""
     m, k = x.shape
     n = out.shape[1]
     tiles, split = triton.cdiv(n, config["block_n"]), config["split_k"]
@@ -448,6 +491,10 @@ def _launch(
         residual, norm_w, eps, normed, residual_out = norm
         stride_rm = residual.stride(0)
         arrivals = split_semaphores(x.device, tiles + 1)  # tile counters, then the row counter
+    if norm_in is not None:
+        assert split == 1, "the folded norm needs each program's whole K"
+        residual, norm_w, eps, residual_out = norm_in
+        stride_rm = residual.stride(0)
     _skinny_gemm_kernel[(tiles, split)](
         x,
         weight,
@@ -469,7 +516,7 @@ def _launch(
         stride_rm,
         eps,
         **_constexprs(m, x.dtype, bias is not None, config, x.device)
-        | {"GATED": gated, "ADD_NORM": norm is not None},
+        | {"GATED": gated, "ADD_NORM": norm is not None, "NORM_IN": norm_in is not None},
     )
 
 
