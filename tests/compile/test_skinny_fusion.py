@@ -226,3 +226,35 @@ def test_epilogues_in_the_engine_match_unfused_gpu(tmp_path, default_tokenizer):
     assert {k: fused_counts.get(k) for k in names} == {names[0]: 2, names[1]: 4}
     assert {k: plain_counts.get(k) for k in names} == {names[0]: None, names[1]: None}
     assert_same_greedy(fused, plain)
+
+
+@pytest.mark.gpu
+def test_norm_linear_in_the_engine_follows_the_unfused_gpu(
+    tmp_path, default_tokenizer, monkeypatch
+):
+    """A 2-layer model of Llama-3-8B's widths at -O2 with skinny_norm_linear on top of the
+    default passes and the folded kernel on for every decode M bucket the table has launches
+    for: layer 1's qkv_proj and both gate_ups fold their norm (layer 0's input norm has no
+    residual), the kernel runs, and the greedy tokens and logprobs follow the engine without
+    the pass."""
+    from engine_ab import assert_same_greedy, greedy_runs, llama8b_widths_dir
+
+    from v1_engine.config import CompilationConfig
+    from v1_engine.kernels import skinny_epilogues
+
+    calls = []
+    real = skinny_epilogues.skinny_gemm_add_norm
+    monkeypatch.setattr(
+        skinny_epilogues,
+        "skinny_gemm_add_norm",
+        lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw),
+    )
+    monkeypatch.setattr(skinny_epilogues, "NORM_IN_M_BUCKETS", (1, 2, 4, 8, 16, 32, 64))
+    model_dir = llama8b_widths_dir(tmp_path, default_tokenizer)
+    default = CompilationConfig().effective_fusion_passes("cuda")
+    (fused, counts), (plain, _) = greedy_runs(
+        model_dir, [default + ["skinny_norm_linear"], default]
+    )
+    assert counts["skinny_norm_linear"] == 3
+    assert 1 in calls and 3 in calls  # the batch of three and the prompt alone, decoding
+    assert_same_greedy(fused, plain)
