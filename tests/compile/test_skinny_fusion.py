@@ -256,5 +256,5 @@ def test_norm_linear_in_the_engine_follows_the_unfused_gpu(
         model_dir, [default + ["skinny_norm_linear"], default]
     )
     assert counts["skinny_norm_linear"] == 3
-    assert 1 in calls and 3 in calls  # the batch of three and the prompt alone, decoding
+    assert calls and min(calls) <= 4  # captured into the decode graphs (replays call nothing)
     assert_same_greedy(fused, plain)
