@@ -17,6 +17,7 @@ from compile.passes.fusion import (
     _copy_example,
     _erase,
     _example,
+    _fold_norm_into,
     _is_function,
     _is_method,
     _is_op,
@@ -385,16 +386,8 @@ def fuse_fp8_norm_linear(gm: fx.GraphModule) -> int:
             rest = (weight, weight_scale, out_dtype, bias)
         else:
             rest = tuple(node.args[2:])
-        with graph.inserting_before(node):
-            fused = graph.call_function(op, (x, residual, norm_weight, eps, *rest))
-            out = graph.call_function(operator.getitem, (fused, 0))
-            summed = graph.call_function(operator.getitem, (fused, 1))
-        _copy_example(node, out)
-        node.replace_all_uses_with(out)
-        for old in old_sums:
-            _copy_example(old, summed)
-            old.replace_all_uses_with(summed)
-        _erase(graph, [node, *between, *old_sums, norm])
+        args = (x, residual, norm_weight, eps, *rest)
+        _fold_norm_into(graph, node, op, args, old_sums, [*between, norm])
         count += 1
     if count:
         gm.recompile()

@@ -283,6 +283,29 @@ def _read_between(values: list[fx.Node], start: fx.Node, end: fx.Node) -> bool:
     return False
 
 
+def _fold_norm_into(
+    graph: fx.Graph,
+    consumer: fx.Node,
+    op: torch._ops.OpOverload,
+    args: tuple,
+    sums: list[fx.Node],
+    dead: list[fx.Node],
+) -> None:
+    """Replace `consumer` (a GEMM reading a norm's output) by `op(*args)` -> (out, residual sum):
+    its readers take out, the readers of the norm's residual sums (`sums`) the sum; then erase
+    consumer, `dead` (the nodes between, users first) and the sums."""
+    with graph.inserting_before(consumer):
+        fused = graph.call_function(op, args)
+        out = graph.call_function(operator.getitem, (fused, 0))
+        summed = graph.call_function(operator.getitem, (fused, 1))
+    _copy_example(consumer, out)
+    consumer.replace_all_uses_with(out)
+    for old in sums:
+        _copy_example(old, summed)
+        old.replace_all_uses_with(summed)
+    _erase(graph, [consumer, *dead[:-1], *sums, dead[-1]])
+
+
 def fuse_skinny_norm_linear(gm: fx.GraphModule) -> int:
     """fused_add_rms_norm(x, r, w, eps) whose normed output feeds only skinny_linear(., W) (no
     bias) or skinny_linear_silu_mul(., W) => `v1_engine::skinny_add_norm_linear(x, r, w, eps, W,
@@ -313,18 +336,9 @@ def fuse_skinny_norm_linear(gm: fx.GraphModule) -> int:
             continue
         if _read_between(sums, norm, consumer):
             continue
-        with graph.inserting_before(consumer):
-            fused = graph.call_function(
-                ops.skinny_add_norm_linear.default, (*norm.args, consumer.args[1], gated)
-            )
-            out = graph.call_function(operator.getitem, (fused, 0))
-            summed = graph.call_function(operator.getitem, (fused, 1))
-        _copy_example(consumer, out)
-        consumer.replace_all_uses_with(out)
-        for old in sums:
-            _copy_example(old, summed)
-            old.replace_all_uses_with(summed)
-        _erase(graph, [consumer, normed[0], *sums, norm])
+        args = (*norm.args, consumer.args[1], gated)
+        _fold_norm_into(graph, consumer, ops.skinny_add_norm_linear.default, args, sums,
+                        [normed[0], norm])  # fmt: skip
         count += 1
     if count:
         gm.recompile()
