@@ -230,17 +230,25 @@ if [[ " $STAGES " == *" normab "* ]]; then
   # fp8_norm_linear (the add + RMSNorm folded into the FP8 GEMM after it): its GPU tests, the
   # M = 1 sweeps of the "norm" kinds into $NORM_TABLES, then FP8 batch 1 without and with the
   # entries and the pass, one process each, alternating, GOAL_PROCS rounds.
+  # NORMAB_STEPS picks the parts (default all three; a call that cannot fit them all runs
+  # "tests sweeps", then "ab" with NORM_TABLES brought back).
   norm_tables=${NORM_TABLES:-$LOG_DIR/fp8_norm.json}
-  python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fp8_norm_gemm.py \
-    tests/models/test_fp8_linear.py -k "norm or decode_ops" 2>&1 | tee "$LOG_DIR/normab_tests.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  steps=" ${NORMAB_STEPS:-tests sweeps ab} "
+  touch "$LOG_DIR/normab_tests.log" "$LOG_DIR/normab_sweeps.log" "$LOG_DIR/normab.log"
+  if [[ "$steps" == *" tests "* ]]; then
+    python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fp8_norm_gemm.py \
+      tests/models/test_fp8_linear.py -k "norm or decode_ops" 2>&1 | tee "$LOG_DIR/normab_tests.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  fi
   for sweep in "norm --shapes qkv" "norm_gated --shapes gate_up"; do
+    [[ "$steps" == *" sweeps "* ]] || break
     # shellcheck disable=SC2086
     python3 benchmarks/sweep_skinny_gemm.py --fp8 $sweep --m 1 --seconds 8 \
       --json "$norm_tables" 2>&1 | tee -a "$LOG_DIR/normab_sweeps.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   done
   one="--quantization fp8 --batch-sizes 1 --prefill-lens '' --decode-steps 64 --repeats 2"
+  [[ "$steps" == *" ab "* ]] || GOAL_PROCS=0
   for round in $(seq "${GOAL_PROCS:-2}"); do
     for variant in "" "--gemm-tables $norm_tables --add-fusion-passes fp8_norm_linear"; do
       echo "### round $round: ${variant:-FP8}" | tee -a "$LOG_DIR/normab.log"
