@@ -205,10 +205,13 @@ if [[ " $STAGES " == *" modes "* ]]; then
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw \
         --format=csv,noheader | tee -a "$LOG_DIR/modes.log"
+      # Any clock slowdown reason active now (power, thermal, sync boost...), and the host's load.
+      { nvidia-smi -q -d PERFORMANCE | grep -E ": Active$" | sed 's/^ */slowdown: /'
+        echo "host loadavg: $(cat /proc/loadavg)"; } | tee -a "$LOG_DIR/modes.log"
     done
   done
   { echo; echo "## batch-1 wall vs kernel time per process (modes)"
-    grep -E "^### round|^batch 1:|^decode step|MHz" "$LOG_DIR/modes.log"; } >> "$summary"
+    grep -E "^### round|^batch 1:|^decode step|MHz|^slowdown|^host" "$LOG_DIR/modes.log"; } >> "$summary"
 fi
 if [[ " $STAGES " == *" mergeab "* ]]; then
   variants="$LOG_DIR/mergeab.json"
