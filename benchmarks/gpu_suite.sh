@@ -199,19 +199,26 @@ if [[ " $STAGES " == *" modes "* ]]; then
     for variant in "" "--quantization fp8" \
                    "--quantization fp8 --add-fusion-passes fp8_dynamic_linear"; do
       echo "### round $round: ${variant:-bf16}" | tee -a "$LOG_DIR/modes.log"
+      # SM clock and power sampled every 200 ms while the process runs: a slow process at
+      # full clocks is not throttled.
+      clocks="$LOG_DIR/modes_clocks_${round}_${variant//[^a-z0-9]/_}.csv"
+      nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 200 \
+        > "$clocks" 2>/dev/null &
+      sampler=$!
       # shellcheck disable=SC2086
       python3 benchmarks/profile_decode.py --model "$MODEL" $variant --batch-sizes 1 --steps 16 \
         --out-dir "$LOG_DIR/modes_${round}_${variant//[^a-z0-9]/_}" 2>&1 | tee -a "$LOG_DIR/modes.log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-      nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw \
-        --format=csv,noheader | tee -a "$LOG_DIR/modes.log"
-      # Any clock slowdown reason active now (power, thermal, sync boost...), and the host's load.
-      { nvidia-smi -q -d PERFORMANCE | grep -E ": Active$" | sed 's/^ */slowdown: /'
-        echo "host loadavg: $(cat /proc/loadavg)"; } | tee -a "$LOG_DIR/modes.log"
+      kill "$sampler" 2>/dev/null
+      wait "$sampler" 2>/dev/null
+      awk -F', *' '$1 > 0 { n++; s += $1; if (!min || $1 < min) min = $1; if ($1 > max) max = $1;
+        if ($2 > p) p = $2 } END { printf "clocks during the run: SM %d-%d MHz (mean %d), '\
+'peak %d W, %d samples\n", min, max, n ? s / n : 0, p, n }' "$clocks" | tee -a "$LOG_DIR/modes.log"
+      echo "host loadavg: $(cat /proc/loadavg)" | tee -a "$LOG_DIR/modes.log"
     done
   done
   { echo; echo "## batch-1 wall vs kernel time per process (modes)"
-    grep -E "^### round|^batch 1:|^decode step|MHz|^slowdown|^host" "$LOG_DIR/modes.log"; } >> "$summary"
+    grep -E "^### round|^batch 1:|^decode step|^clocks during|^host" "$LOG_DIR/modes.log"; } >> "$summary"
 fi
 if [[ " $STAGES " == *" mergeab "* ]]; then
   variants="$LOG_DIR/mergeab.json"
