@@ -169,7 +169,7 @@ def _fp8_decode_kernel(
     = silu(gate) * up with kernels/triton_fused.py's roundings. The fma body, or with NATIVE
     (the gated kind's "wgmma" body) the gate and up tiles each in FP8 warpgroup MMAs.
     NORM (the "norm" kinds, fma body, A_FP8 False): a is x of `x + residual` and the GEMM's
-    activation is rmsnorm(x + residual) * norm_w, the norm folded in (see _norm_step): every
+    activation is rmsnorm(x + residual) * norm_w, the norm folded in (_norm_fma_loop): every
     program sums h = x + residual's squares over the K it walks anyway, multiplies h by the norm
     weight, and scales its rows by rsqrt(mean(h^2) + eps) at the end; program 0 stores h to
     residual_out."""
