@@ -132,6 +132,7 @@ if [[ " $STAGES " == *" fp8tests "* ]]; then
   # launches outlast one call), the decode ops and passes, and the fused MLP's decode launches.
   python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fp8_decode_gemm.py \
     tests/kernels/test_triton_gemv_fp8.py tests/models/test_fp8_linear.py \
+    tests/models/test_fp8_engine_gpu.py \
     tests/compile/test_fp8_fusion.py tests/kernels/test_triton_mlp.py \
     -k "fma or wgmma or decode or weight_only or gated or dispatch or graph" 2>&1 \
     | tee "$LOG_DIR/fp8tests.log"
@@ -247,7 +248,7 @@ if [[ " $STAGES " == *" normab "* ]]; then
   touch "$LOG_DIR/normab_tests.log" "$LOG_DIR/normab_sweeps.log" "$LOG_DIR/normab.log"
   if [[ "$steps" == *" tests "* ]]; then
     python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fp8_norm_gemm.py \
-      tests/models/test_fp8_linear.py -k "norm or decode_ops" 2>&1 | tee "$LOG_DIR/normab_tests.log"
+      tests/models/test_fp8_engine_gpu.py -k "norm or decode_ops" 2>&1 | tee "$LOG_DIR/normab_tests.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   fi
   for sweep in "norm --shapes qkv" "norm_gated --shapes gate_up"; do

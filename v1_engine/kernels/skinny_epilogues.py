@@ -150,9 +150,7 @@ def silu_mul_linear_cuda(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         and prefers_skinny(m, n2, x.shape[1])
     ):
         return skinny_gemm_silu_mul(x, weight)
-    from v1_engine.kernels.triton_fused import silu_and_mul
-
-    return silu_and_mul(skinny_linear_cuda(x, weight))
+    return _silu_and_mul_cuda(skinny_linear_cuda(x, weight))
 
 
 def linear_add_rms_norm_cuda(
