@@ -276,23 +276,30 @@ fi
 if [[ " $STAGES " == *" bf16normab "* ]]; then
   # skinny_norm_linear (the add + RMSNorm folded into the bf16 skinny GEMM after it): its GPU
   # tests, then bf16 decode with the pass on, NORM_IN_M_BUCKETS empty (the op runs the norm
-  # kernel and the GEMM: the base) against (1,) and (1, 64), alternating in one process each.
+  # kernel and the GEMM: the base) against the fold at the shape's M bucket, alternating in one
+  # process each, GOAL_PROCS rounds (default 2). BF16NORM_SHAPES picks "b1" (batch 1, the fold
+  # at M = 1) and "b64" (64 x 1k, the fold at M = 64); default both.
   python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_skinny_epilogues.py \
     tests/compile/test_skinny_fusion.py -k "fold or norm_linear" 2>&1 \
     | tee "$LOG_DIR/bf16normab_tests.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  variants="$LOG_DIR/bf16normab.json"
-  python3 - "$variants" <<'PY'
+  for shape in ${BF16NORM_SHAPES:-b1 b64}; do
+    case $shape in
+      b1) bucket=1; args="--batch-sizes 1 --decode-steps 64" ;;
+      b64) bucket=64; args="--batch-sizes 64 --input-len 1024" ;;
+      *) echo "BF16NORM_SHAPES: unknown shape $shape (b1, b64)"; status=1; continue ;;
+    esac
+    variants="$LOG_DIR/bf16normab_$shape.json"
+    python3 - "$variants" "$bucket" "${GOAL_PROCS:-2}" <<'PY'
 import json, sys
 path = "v1_engine/kernels/skinny_epilogues.py"
 old = "NORM_IN_M_BUCKETS: tuple[int, ...] = ()"
-fold = [[path, old, "NORM_IN_M_BUCKETS: tuple[int, ...] = (1,)"]]
-fold64 = [[path, old, "NORM_IN_M_BUCKETS: tuple[int, ...] = (1, 64)"]]
-json.dump([["base", []], ["fold M=1", fold], ["fold M=1,64", fold64]] * 2, open(sys.argv[1], "w"))
+fold = [[path, old, f"NORM_IN_M_BUCKETS: tuple[int, ...] = ({sys.argv[2]},)"]]
+rounds = int(sys.argv[3])
+json.dump([["base", []], [f"fold M={sys.argv[2]}", fold]] * rounds, open(sys.argv[1], "w"))
 PY
-  for shape in "--batch-sizes 1 --decode-steps 64" "--batch-sizes 64 --input-len 1024"; do
     python3 benchmarks/ab_variants.py "$variants" "python3 benchmarks/latency.py --model $MODEL \
-      $shape --prefill-lens '' --repeats 2 --add-fusion-passes skinny_norm_linear" 2>&1 \
+      $args --prefill-lens '' --repeats 2 --add-fusion-passes skinny_norm_linear" 2>&1 \
       | tee -a "$LOG_DIR/bf16normab.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   done
