@@ -301,7 +301,7 @@ def test_norm_ops_replay_in_a_cuda_graph_gpu(monkeypatch):
         mlp, summed2 = ops.fp8_add_norm_gated_mlp(
             qkv[:, :4096], summed, norm_weight, EPS, w_gu, s_gu, w_d, s_d, bf16, bf16
         )
-        return qkv, mlp, summed2
+        return qkv, mlp, summed, summed2
 
     step()
     graph = torch.cuda.CUDAGraph()
@@ -318,7 +318,9 @@ def test_norm_ops_replay_in_a_cuda_graph_gpu(monkeypatch):
         monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", False)
         quantized = step()
         monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
-        assert torch.equal(eager[2], quantized[2])  # the residual sums: the same adds
-        for e, q in zip(eager[:2], quantized[:2], strict=True):
+        # The first residual sum is the same add. The second adds qkv, which the fold computes
+        # from the unquantized activation, so it is only near the chain's.
+        assert torch.equal(eager[2], quantized[2])
+        for e, q in zip(eager[:2] + eager[3:], quantized[:2] + quantized[3:], strict=True):
             scale = q.float().abs().amax().item()
             assert (e.float() - q.float()).abs().amax().item() < 0.1 * scale

@@ -105,8 +105,12 @@ FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | No
     "gated": {
         (1, 28672, 4096): _WGMMA_K128,
     },
-    "norm": {},
-    "norm_gated": {},
+    "norm": {
+        (1, 6144, 4096): _FMA | {"block_n": 16, "block_k": 512, "num_stages": 3},
+    },
+    "norm_gated": {
+        (1, 28672, 4096): _FMA | {"block_n": 16, "block_k": 256, "num_stages": 3},
+    },
 }
 """Measured launch configs per kind, keyed by (M bucket, N, K) as triton_gemv.TUNED_LAUNCH; None
 marks a shape where the CUTLASS kernel measured as fast or faster: the ops run the Triton kernel
@@ -144,4 +148,12 @@ H200: ..."; `--fp8 channel --modes fma --shapes qkv,o_proj,gate_up,down`, `--fp8
 (8.9 vs CUTLASS 10.0 us, 7.0 vs 7.5, 16.7 vs 17.6); channel gate_up moved to block_n 8 (30.6
 vs 30.7; the H100's block_n 4 took 33.0 there); the gated gate_up to the wgmma body (30.0 us
 against CUTLASS + SiLU-quant 33.8; the H100's fma launch took 32.0). Engine FP8 batch 1 2.558
--> 2.510 ms. weight_only o_proj was not re-swept."""
+-> 2.510 ms. weight_only o_proj was not re-swept.
+
+The "norm" kinds (the add + RMSNorm before qkv / gate_up folded into the GEMM; the
+fp8_norm_linear pass): `--fp8 norm --shapes qkv --m 1` and `--fp8 norm_gated --shapes gate_up
+--m 1` on an H100 (2026-12-06 00:05 UTC, RESULTS.md "The add + RMSNorm folded into the FP8
+GEMM measured"; no H200 was lent): qkv 12.5 us against 12.9 for the norm-quant kernel and the
+channel GEMM, gate_up 44.2 against 46.3 for the norm-quant kernel and the gated GEMM. Engine FP8
+batch 1 3.372 -> 3.297 ms with them, 3.213 -> 3.117 with the FP8 LM head. Not swept on the
+H200."""
