@@ -119,9 +119,15 @@ def test_norm_kind_launch_rules():
     ):
         with pytest.raises(ValueError, match=match):
             skinny.resolve_fp8_launch(kind, 1, 4096, 4096, bad)
-    # Unmeasured: the tables are empty, so the ops run the quantized chain everywhere.
-    assert skinny.FP8_TUNED_LAUNCH["norm"] == {} and skinny.FP8_TUNED_LAUNCH["norm_gated"] == {}
-    assert not skinny.prefers_fp8_skinny("norm", 1, 6144, 4096)
+    # Measured: Llama-3-8B's qkv and gate_up at M = 1, valid launches of their kinds; every
+    # other M bucket and shape runs the quantized chain.
+    for kind, shape in (("norm", (6144, 4096)), ("norm_gated", (28672, 4096))):
+        assert set(skinny.FP8_TUNED_LAUNCH[kind]) == {(1, *shape)}
+        launch = skinny.FP8_TUNED_LAUNCH[kind][(1, *shape)]
+        assert skinny.resolve_fp8_launch(kind, 1, *shape, launch)["mode"] == "fma"
+        assert skinny.prefers_fp8_skinny(kind, 1, *shape)
+        assert not skinny.prefers_fp8_skinny(kind, 2, *shape)
+    assert not skinny.prefers_fp8_skinny("norm", 1, 4096, 4096)
 
 
 class Recorder:
