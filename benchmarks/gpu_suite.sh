@@ -238,9 +238,10 @@ PY
     grep -E "^== |^ *\| [0-9]" "$LOG_DIR/mergeab.log"; } >> "$summary"
 fi
 if [[ " $STAGES " == *" normab "* ]]; then
-  # fp8_norm_linear (the add + RMSNorm folded into the FP8 GEMM after it): its GPU tests, the
-  # M = 1 sweeps of the "norm" kinds into $NORM_TABLES, then FP8 batch 1 without and with the
-  # entries and the pass, one process each, alternating, GOAL_PROCS rounds.
+  # fp8_norm_linear (the add + RMSNorm folded into the FP8 GEMM after it, a default pass): its
+  # GPU tests, the M = 1 sweeps of the "norm" kinds into $NORM_TABLES, then FP8 batch 1 without
+  # the pass and with it (and the swept entries), one process each, alternating, GOAL_PROCS
+  # rounds.
   # NORMAB_STEPS picks the parts (default all three; a call that cannot fit them all runs
   # "tests sweeps", then "ab" with NORM_TABLES brought back).
   norm_tables=${NORM_TABLES:-$LOG_DIR/fp8_norm.json}
@@ -260,9 +261,14 @@ if [[ " $STAGES " == *" normab "* ]]; then
   done
   one="--quantization fp8 --batch-sizes 1 --prefill-lens '' --decode-steps 64 --repeats 2"
   [[ "$steps" == *" ab "* ]] || GOAL_PROCS=0
+  # The pass is on by default: the base names the default passes without it.
+  chain=$(python3 -c "from v1_engine.config import CompilationConfig as C; \
+print(','.join(p for p in C().effective_fusion_passes('cuda') if p != 'fp8_norm_linear'))")
+  tables=""
+  [ -f "$norm_tables" ] && tables="--gemm-tables $norm_tables"
   for round in $(seq "${GOAL_PROCS:-2}"); do
-    for variant in "" "--gemm-tables $norm_tables --add-fusion-passes fp8_norm_linear"; do
-      echo "### round $round: ${variant:-FP8}" | tee -a "$LOG_DIR/normab.log"
+    for variant in "--fusion-passes $chain" "$tables"; do
+      echo "### round $round: ${variant:-FP8 (default passes)}" | tee -a "$LOG_DIR/normab.log"
       eval python3 benchmarks/latency.py --model "$MODEL" "$one" "$variant" 2>&1 \
         | tee -a "$LOG_DIR/normab.log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
