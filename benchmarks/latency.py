@@ -53,18 +53,23 @@ def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float
 
 
 def compilation_config(
-    level: int, fusion_passes: str | None, add_fusion_passes: str | None
+    level: int,
+    fusion_passes: str | None,
+    add_fusion_passes: str | None,
+    drop_fusion_passes: str | None = None,
 ) -> int | dict:
-    """The engine's `compilation_config` from the `--fusion-passes` (instead of the default set)
-    and `--add-fusion-passes` (on top of it) options: the bare level where neither is given."""
-    if fusion_passes is None and not add_fusion_passes:
+    """The engine's `compilation_config` from the `--fusion-passes` (instead of the default set),
+    `--add-fusion-passes` (on top of it) and `--drop-fusion-passes` (left out of it) options:
+    the bare level where none is given."""
+    if fusion_passes is None and not add_fusion_passes and not drop_fusion_passes:
         return level
     if fusion_passes is not None:
         passes = [p for p in fusion_passes.split(",") if p]
     else:
         passes = CompilationConfig().effective_fusion_passes("cuda")
     passes += [p for p in (add_fusion_passes or "").split(",") if p and p not in passes]
-    return {"level": level, "fusion_passes": passes}
+    dropped = {p for p in (drop_fusion_passes or "").split(",") if p}
+    return {"level": level, "fusion_passes": [p for p in passes if p not in dropped]}
 
 
 def decode_ms_per_step(
@@ -138,6 +143,12 @@ def main() -> None:
         "opt-in pass)",
     )
     parser.add_argument(
+        "--drop-fusion-passes",
+        default=None,
+        help="comma-separated fusion passes to leave out of the default set (A/B of a default "
+        "pass)",
+    )
+    parser.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -160,7 +171,7 @@ def main() -> None:
     prefill_lens = [int(n) for n in args.prefill_lens.split(",") if n]
 
     compilation = compilation_config(
-        args.compilation_level, args.fusion_passes, args.add_fusion_passes
+        args.compilation_level, args.fusion_passes, args.add_fusion_passes, args.drop_fusion_passes
     )
     if isinstance(compilation, dict):
         args.fusion_passes = ",".join(compilation["fusion_passes"])

@@ -284,3 +284,24 @@ def test_decode_roofline_rate_follows_the_card():
     assert hbm_bytes_per_s("NVIDIA H200", measure)[0] == HBM_BYTES_PER_S and not measured
     rate, source = hbm_bytes_per_s("NVIDIA H100 80GB HBM3", measure)
     assert rate == 2.9e12 and measured == [1] and "H100" in source
+
+
+def test_latency_compilation_config_from_pass_options():
+    """latency.py's pass options: none gives the bare level; --add-fusion-passes goes on top of
+    the default set, --drop-fusion-passes leaves a default pass out (the A/B of a default pass),
+    --fusion-passes replaces the set."""
+    from latency import compilation_config
+
+    from v1_engine.config import CompilationConfig
+
+    default = CompilationConfig().effective_fusion_passes("cuda")
+    assert "fp8_norm_linear" in default and "skinny_norm_linear" not in default
+    assert compilation_config(2, None, None) == 2
+    added = compilation_config(2, None, "skinny_norm_linear")
+    assert added == {"level": 2, "fusion_passes": default + ["skinny_norm_linear"]}
+    dropped = compilation_config(2, None, None, "fp8_norm_linear")
+    assert dropped == {"level": 2, "fusion_passes": [p for p in default if p != "fp8_norm_linear"]}
+    assert compilation_config(1, "add_rms_norm,rope_kv_cache", None, "rope_kv_cache") == {
+        "level": 1,
+        "fusion_passes": ["add_rms_norm"],
+    }

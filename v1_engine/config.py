@@ -194,8 +194,8 @@ the H200 ("Per-process bimodal step times", RESULTS.md). fp8_gated_mlp is on: 3.
 ms there. fp8_norm_linear is on too (each layer's two add + RMSNorm kernels folded into the FP8
 GEMM after them where the "norm" / "norm_gated" tables hold the shape, M = 1 for Llama-3-8B):
 3.372 -> 3.297 ms at FP8 batch 1 on an H100 ("The add + RMSNorm folded into the FP8 GEMM
-measured"). skinny_norm_linear (the same fold for the bf16 skinny GEMMs: qkv, gate_up, the LM head) is
-written but not measured either; kernels/skinny_epilogues.NORM_IN_M_BUCKETS is empty."""
+measured"). skinny_norm_linear (the same fold for the bf16 skinny GEMMs: qkv, gate_up, the LM
+head) is written but not measured; kernels/skinny_epilogues.NORM_IN_M_BUCKETS is empty."""
 
 
 @dataclass

@@ -126,9 +126,9 @@ def test_fp8_norm_linear_in_the_engine_follows_the_quantized_chain_gpu(
     tmp_path, default_tokenizer, monkeypatch
 ):
     """-O2 with the default passes (fp8_norm_linear among them) against them without it, with
-    table entries for this model's shapes at M 1..4 ("norm" for qkv, "norm_gated" for gate_up, "weight_only" for down): the
-    decode graphs fold every residual add + RMSNorm into the GEMM after it, and the greedy
-    tokens follow the engine without the pass."""
+    table entries for this model's shapes at M 1..4 ("norm" for qkv, "norm_gated" for gate_up,
+    "weight_only" for down): the decode graphs fold every residual add + RMSNorm into the GEMM
+    after it, and the greedy tokens follow the engine without the pass."""
     import json
 
     from v1_engine.config import CompilationConfig
