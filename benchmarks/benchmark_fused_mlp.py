@@ -28,8 +28,8 @@ from bench_utils import HBM_BYTES_PER_S, write_gemm_tables
 
 from v1_engine.kernels import triton_mlp
 from v1_engine.kernels.skinny_epilogues import silu_mul_linear_cuda
+from v1_engine.kernels.skinny_linear_op import skinny_linear_cuda
 from v1_engine.kernels.triton_fused import add_rms_norm
-from v1_engine.kernels.triton_gemv import skinny_linear_cuda
 
 HIDDEN, INTERMEDIATE = 4096, 14336
 EPS = 1e-5

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from bench_utils import HBM_BYTES_PER_S, write_gemm_tables
 from sweep_skinny_gemm import CALLS, L2_BYTES, SHAPES, graph_us
 
-from v1_engine.kernels import gemm_cutlass, triton_gemv
+from v1_engine.kernels import gemm_cutlass, skinny_linear_op
 
 LAUNCHES = (
     ("heuristic", 1),
@@ -61,7 +61,7 @@ def current_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     enabled = gemm_cutlass.ENABLED
     gemm_cutlass.ENABLED = False
     try:
-        return triton_gemv.skinny_linear_cuda(x, w)
+        return skinny_linear_op.skinny_linear_cuda(x, w)
     finally:
         gemm_cutlass.ENABLED = enabled
 

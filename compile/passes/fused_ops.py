@@ -82,7 +82,7 @@ def _(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- skinny GEMM epilogues (kernels/skinny_epilogues.py) ------------------------------------
-# The unquantized linear layers call `v1_engine::skinny_linear` on CUDA (kernels/triton_gemv.py,
+# The unquantized linear layers call `v1_engine::skinny_linear` on CUDA (skinny_linear_op.py,
 # F.linear elsewhere). These ops are that GEMM followed by the op the passes above produce, in
 # one op: on CUDA one kernel for decode-sized batches, the two kernels otherwise.
 

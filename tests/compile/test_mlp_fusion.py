@@ -19,7 +19,7 @@ from v1_engine.layers.norm import RMSNorm
 from v1_engine.layers.quantization.base import UnquantizedLinearMethod
 from v1_engine.models.loader import get_model, load_hf_config
 
-triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")  # registers skinny_linear
+skinny_linear_op = pytest.importorskip("v1_engine.kernels.skinny_linear_op")  # the op
 
 
 @pytest.fixture(autouse=True)
@@ -125,7 +125,7 @@ def _tiny_llama_on_skinny_linears(path, monkeypatch) -> tuple:
     monkeypatch.setattr(
         UnquantizedLinearMethod,
         "apply",
-        lambda self, layer, x, bias: triton_gemv.skinny_linear(x, layer.weight, bias),
+        lambda self, layer, x, bias: skinny_linear_op.skinny_linear(x, layer.weight, bias),
     )
     config = load_hf_config(str(path))
     cpu = torch.device("cpu")

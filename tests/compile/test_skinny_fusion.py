@@ -19,7 +19,7 @@ from v1_engine.layers.norm import RMSNorm
 from v1_engine.layers.quantization.base import UnquantizedLinearMethod
 from v1_engine.models.loader import get_model, load_hf_config
 
-triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")  # registers skinny_linear
+skinny_linear_op = pytest.importorskip("v1_engine.kernels.skinny_linear_op")  # the op
 
 
 @pytest.fixture(autouse=True)
@@ -117,7 +117,7 @@ def test_passes_on_tiny_llama_forward(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(
         UnquantizedLinearMethod,
         "apply",
-        lambda self, layer, x, bias: triton_gemv.skinny_linear(x, layer.weight, bias),
+        lambda self, layer, x, bias: skinny_linear_op.skinny_linear(x, layer.weight, bias),
     )
     config = load_hf_config(str(tiny_llama_dir))
     cpu = torch.device("cpu")
@@ -153,7 +153,7 @@ def test_norm_linear_pass_on_tiny_llama_forward(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(
         UnquantizedLinearMethod,
         "apply",
-        lambda self, layer, x, bias: triton_gemv.skinny_linear(x, layer.weight, bias),
+        lambda self, layer, x, bias: skinny_linear_op.skinny_linear(x, layer.weight, bias),
     )
     config = load_hf_config(str(tiny_llama_dir))
     cpu = torch.device("cpu")

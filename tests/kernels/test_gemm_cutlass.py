@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from v1_engine.kernels import _C, gemm_cutlass, triton_gemv
+from v1_engine.kernels import _C, gemm_cutlass, skinny_linear_op
 
 CUDA_ERROR_INVALID_VALUE = 1
 
@@ -253,9 +253,9 @@ def test_linear_op_runs_it_for_tuned_shapes_gpu(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(gemm_cutlass, "GEMM_TUNED", {(64, 6144, 4096): (3, "split_k", 2)})
     for m in (48, 64, 65):
         x, w = _operands(m, 6144, 4096, seed=6000 + m)
-        assert_matches_product(triton_gemv.skinny_linear_cuda(x, w), x, w)
+        assert_matches_product(skinny_linear_op.skinny_linear_cuda(x, w), x, w)
     x, w = _operands(64, 4096, 4096, seed=6100)  # not tuned: the previous kernel
-    torch.testing.assert_close(triton_gemv.skinny_linear_cuda(x, w), F.linear(x, w))
+    torch.testing.assert_close(skinny_linear_op.skinny_linear_cuda(x, w), F.linear(x, w))
     assert calls == [(48, 6144), (64, 6144)]
 
 

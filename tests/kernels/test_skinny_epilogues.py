@@ -18,6 +18,7 @@ _CUDA = torch.cuda.is_available()
 # On the CPU the kernels run under Triton's interpreter, which tests/conftest.py turns on
 # before any kernel module is imported.
 triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
+skinny_linear_op = pytest.importorskip("v1_engine.kernels.skinny_linear_op")
 epilogues = pytest.importorskip("v1_engine.kernels.skinny_epilogues")
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
 
@@ -262,13 +263,13 @@ LLAMA3_8B = {"gate_up": (28672, 4096), "o_proj": (4096, 4096), "down": (4096, 14
 def _unfused_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     from v1_engine.kernels.triton_fused import silu_and_mul
 
-    return silu_and_mul(triton_gemv.skinny_linear(x, w))
+    return silu_and_mul(skinny_linear_op.skinny_linear(x, w))
 
 
 def _unfused_norm(x, w, residual, norm_w, eps):
     from v1_engine.kernels.triton_fused import add_rms_norm
 
-    return add_rms_norm(triton_gemv.skinny_linear(x, w), residual, norm_w, eps)
+    return add_rms_norm(skinny_linear_op.skinny_linear(x, w), residual, norm_w, eps)
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ _CUDA = torch.cuda.is_available()
 # On the CPU the kernel runs under Triton's interpreter, which tests/conftest.py turns on
 # before any kernel module is imported.
 triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
+skinny_linear_op = pytest.importorskip("v1_engine.kernels.skinny_linear_op")
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
 
 BF16_ULP = 2.0**-7
@@ -171,16 +172,16 @@ def test_cuda_body_runs_the_kernel_up_to_max_m_interpreted(monkeypatch):
     calls = []
     kernel = triton_gemv.skinny_gemm
     monkeypatch.setattr(
-        triton_gemv, "skinny_gemm", lambda *args, **kw: calls.append(1) or kernel(*args, **kw)
+        skinny_linear_op, "skinny_gemm", lambda *args, **kw: calls.append(1) or kernel(*args, **kw)
     )
     max_m = triton_gemv.SKINNY_MAX_M
     w, bias = values((24, 64), torch.bfloat16, 6), values((24,), torch.bfloat16, 7)
     x = values((max_m, 64), torch.bfloat16, 8)
-    unmeasured = triton_gemv.skinny_linear_cuda(x, w, bias)  # no table entry: F.linear
+    unmeasured = skinny_linear_op.skinny_linear_cuda(x, w, bias)  # no table entry: F.linear
     assert calls == [] and torch.equal(unmeasured, F.linear(x, w, bias))
     tuned = {"mode": "dot_swap", "block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 2}
     monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (triton_gemv.m_bucket(max_m), 24, 64), tuned)
-    out = triton_gemv.skinny_linear_cuda(x, w, bias)
+    out = skinny_linear_op.skinny_linear_cuda(x, w, bias)
     assert calls == [1]
     assert_matches(out, reference(x, w, bias), 64)
 
@@ -192,7 +193,7 @@ def test_cuda_body_runs_the_kernel_up_to_max_m_interpreted(monkeypatch):
         values((2, 64), torch.bfloat16, 11),
     ):
         w_x, bias_x = w.to(x.dtype), bias.to(x.dtype)
-        out = triton_gemv.skinny_linear_cuda(x, w_x, bias_x)
+        out = skinny_linear_op.skinny_linear_cuda(x, w_x, bias_x)
         assert calls == [1]
         assert torch.equal(out, F.linear(x, w_x, bias_x))
 
@@ -203,7 +204,7 @@ def test_cuda_body_runs_the_kernel_up_to_max_m_interpreted(monkeypatch):
 def test_fits_skinny_rules():
     w = values((32, 64), torch.bfloat16, 1)
     x = values((4, 64), torch.bfloat16, 2)
-    fits = triton_gemv.fits_skinny
+    fits = skinny_linear_op.fits_skinny
     assert fits(x, w, None) and fits(x, w, values((32,), torch.bfloat16, 3))
     max_m = triton_gemv.SKINNY_MAX_M
     assert fits(values((max_m, 64), torch.float16, 4), w.half(), None)
@@ -266,7 +267,7 @@ def test_op_traces_with_unbacked_token_count():
         return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
 
     def fn(x, w, b):
-        return triton_gemv.skinny_linear(x, w, b) * 2
+        return skinny_linear_op.skinny_linear(x, w, b) * 2
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=backend, fullgraph=True)
@@ -282,7 +283,7 @@ def test_op_traces_with_unbacked_token_count():
 
 def test_op_keeps_leading_dims():
     x, w = values((2, 3, 32), torch.bfloat16, 1), values((24, 32), torch.bfloat16, 2)
-    out = triton_gemv.skinny_linear(x, w)
+    out = skinny_linear_op.skinny_linear(x, w)
     assert out.shape == (2, 3, 24) and torch.equal(out, F.linear(x, w))
 
 
@@ -312,7 +313,7 @@ def test_llama3_shapes_match_torch_mm_gpu(name, m):
     k = LLAMA3_8B_SHAPES[name][1]
     w = llama3_weight(name)
     x = values((m, k), torch.bfloat16, 2, "cuda")
-    out = triton_gemv.skinny_linear(x, w)
+    out = skinny_linear_op.skinny_linear(x, w)
     ref = reference(x, w, None)
     assert_matches(out, ref, k)
     # As close to the float32 result as cuBLAS's own bf16 output is, give or take a rounding.
@@ -359,11 +360,11 @@ def test_cuda_graph_replay_gpu():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        triton_gemv.skinny_linear(x, w, bias)  # compile outside the capture
+        skinny_linear_op.skinny_linear(x, w, bias)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = triton_gemv.skinny_linear(x, w, bias)
+        out = skinny_linear_op.skinny_linear(x, w, bias)
     for seed in (4, 5):
         x.copy_(values((4, k), torch.bfloat16, seed, "cuda"))
         graph.replay()

@@ -111,8 +111,8 @@ LLAMA_MLP = (4096, 14336, 4096)  # K (hidden), I, N (hidden)
 def chain(x, w_gate_up, w_down, residual, norm_w, eps):
     """The unfused kernels a decode step runs today."""
     from v1_engine.kernels.skinny_epilogues import silu_mul_linear_cuda
+    from v1_engine.kernels.skinny_linear_op import skinny_linear_cuda
     from v1_engine.kernels.triton_fused import add_rms_norm
-    from v1_engine.kernels.triton_gemv import skinny_linear_cuda
 
     h = silu_mul_linear_cuda(x, w_gate_up)
     return add_rms_norm(skinny_linear_cuda(h, w_down), residual, norm_w, eps)

@@ -6,7 +6,7 @@ tiles and o_proj 32 for the H200's 132 SMs. The kernel is CUTLASS's cooperative 
 stream-K scheduler (each CTA the same share of K steps, split tiles meeting in a workspace),
 computing the transposed problem so the weight fills the 128-row wgmma tile.
 
-`skinny_linear_cuda` (kernels/triton_gemv.py) runs it for the (M bucket, N, K) entries of
+`skinny_linear_cuda` (kernels/skinny_linear_op.py) runs it for the (M bucket, N, K) entries of
 GEMM_TUNED, measured faster than the alternatives by `benchmarks/benchmark_gemm_bf16.py`; every
 other shape keeps its previous kernel. V1ENGINE_CUTLASS_GEMM=0 turns it off (A/B runs).
 

@@ -27,15 +27,14 @@ from __future__ import annotations
 
 import torch
 
+from v1_engine.kernels.skinny_linear_op import fits_skinny, skinny_linear_cuda
 from v1_engine.kernels.triton_gemv import (
     _DOT_ROWS,
     _launch,
-    fits_skinny,
     launch_config,
     m_bucket,
     prefers_skinny,
     resolve_launch,
-    skinny_linear_cuda,
 )
 
 GATED_M_BUCKETS = (1,)

@@ -24,10 +24,8 @@ Three bodies, picked by the launch config's `mode` (the sweep compares them):
   once at the end; BLOCK_M is M rounded up to a power of two (no padding to 16), at most
   FMA_MAX_M (the accumulator lives in registers).
 
-`v1_engine::skinny_linear` is the custom op the unquantized linear layers call on CUDA: it runs
-the kernel when M <= SKINNY_MAX_M and the operands fit (`fits_skinny`), else F.linear. It is one
-opaque node under torch.compile (the token count stays symbolic: every branch on M runs inside the
-op on real tensors) and CUDA graphs capture it (no host sync; the output is its only allocation).
+The `v1_engine::skinny_linear` op that the unquantized linear layers call on CUDA, and that
+picks between this kernel, the CUTLASS GEMM and F.linear, is kernels/skinny_linear_op.py.
 """
 
 from __future__ import annotations
@@ -35,11 +33,10 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from v1_engine.kernels import gemm_cutlass, interpreting
+from v1_engine.kernels import interpreting
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
 from v1_engine.kernels.skinny_tuned import TUNED_LAUNCH
@@ -587,53 +584,3 @@ def skinny_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if k % align or (x.shape[0] > 1 and x.stride(0) % align):
         return False
     return x.data_ptr() % _ALIGN_BYTES == 0 and weight.data_ptr() % _ALIGN_BYTES == 0
-
-
-def fits_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the op runs the skinny kernel: bf16/fp16 operands of one dtype laid out as
-    `skinny_operands` needs, and a contiguous bias of that dtype."""
-    if x.dtype not in SKINNY_DTYPES or weight.dtype != x.dtype:
-        return False
-    if not skinny_operands(x, weight):
-        return False
-    return bias is None or (
-        bias.dtype == x.dtype and bias.shape == (weight.shape[0],) and bias.is_contiguous()
-    )
-
-
-@torch.library.custom_op("v1_engine::skinny_linear", mutates_args=())
-def _skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    return F.linear(x, weight, bias)
-
-
-@_skinny_linear.register_kernel("cuda")
-def skinny_linear_cuda(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The op's CUDA body (real tensors, so branching on M is free here): the CUTLASS stream-K
-    GEMM or the skinny kernel where measured faster (their tables), F.linear otherwise."""
-    if gemm_cutlass.prefers(x.shape[0], *weight.shape) and gemm_cutlass.fits(x, weight, bias):
-        return gemm_cutlass.gemm(x, weight)
-    if fits_skinny(x, weight, bias) and prefers_skinny(x.shape[0], *weight.shape):
-        return skinny_gemm(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-@_skinny_linear.register_fake
-def _skinny_linear_fake(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    return x.new_empty((x.shape[0], weight.shape[0]))
-
-
-def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., K] through `v1_engine::skinny_linear`: the skinny
-    kernel on CUDA for up to SKINNY_MAX_M rows, F.linear otherwise."""
-    if x.dim() == 2:
-        return torch.ops.v1_engine.skinny_linear(x, weight, bias)
-    out = torch.ops.v1_engine.skinny_linear(x.reshape(-1, x.shape[-1]), weight, bias)
-    return out.reshape(*x.shape[:-1], weight.shape[0])

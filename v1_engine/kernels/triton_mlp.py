@@ -512,8 +512,8 @@ def fused_mlp_cuda(
     ):
         return fused_mlp_add_rms_norm(x, w_gate_up, w_down, residual, norm_weight, eps)
     from v1_engine.kernels.skinny_epilogues import silu_mul_linear_cuda
+    from v1_engine.kernels.skinny_linear_op import skinny_linear_cuda
     from v1_engine.kernels.triton_fused import add_rms_norm
-    from v1_engine.kernels.triton_gemv import skinny_linear_cuda
 
     y = skinny_linear_cuda(silu_mul_linear_cuda(x, w_gate_up), w_down)
     if residual.dtype != y.dtype or norm_weight.dtype != y.dtype:

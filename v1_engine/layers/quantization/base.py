@@ -77,10 +77,10 @@ class UnquantizedLinearMethod(LinearMethod):
         if x.is_cuda and layer.weight.dtype in (torch.bfloat16, torch.float16):
             # Imported here so CPU-only installs never need triton. The op picks the skinny
             # Triton GEMM for decode-sized batches and F.linear otherwise.
-            from v1_engine.kernels import triton_gemv
+            from v1_engine.kernels import skinny_linear_op, triton_gemv
 
             if triton_gemv.SKINNY_GEMM_ENABLED:
-                return triton_gemv.skinny_linear(x, layer.weight, bias)
+                return skinny_linear_op.skinny_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
