@@ -262,7 +262,7 @@ def write_gemm_tables(path: str, kind: str, rows: list[list]) -> None:
     are GEMM_TUNED entries [M bucket, N, K, config, decomposition, splits]
     (kernels/gemm_cutlass.py), "fp8" rows SCALED_MM_SHAPE_CONFIGS entries [M bucket bound, N,
     K, config] (kernels/fp8_cutlass.py), "fp8_skinny" rows FP8_TUNED_LAUNCH entries [kind, M
-    bucket, N, K, launch dict or None] (kernels/triton_gemv_fp8.py), "fused_mlp" rows
+    bucket, N, K, launch dict or None] (kernels/fp8_launch.py), "fused_mlp" rows
     TUNED_LAUNCH entries [M bucket, I, N, launch dict] (kernels/triton_mlp.py)."""
     if kind not in TABLE_KINDS:
         raise ValueError(f"kind must be one of {TABLE_KINDS}, got {kind!r}")
@@ -277,7 +277,7 @@ def apply_gemm_tables(path: str) -> str:
     one-line account of what was set."""
     import math
 
-    from v1_engine.kernels import fp8_cutlass, gemm_cutlass, triton_gemv_fp8, triton_mlp
+    from v1_engine.kernels import fp8_cutlass, fp8_launch, gemm_cutlass, triton_mlp
 
     tables = json.loads(Path(path).read_text())
     unknown = set(tables) - set(TABLE_KINDS)
@@ -294,8 +294,8 @@ def apply_gemm_tables(path: str) -> str:
         fp8_cutlass.SCALED_MM_SHAPE_CONFIGS[key] = int(config)
     for kind, bucket, n, k, launch in tables.get("fp8_skinny", []):
         key = (int(bucket), int(n), int(k))
-        triton_gemv_fp8.FP8_TUNED_LAUNCH[kind][key] = (
-            None if launch is None else triton_gemv_fp8.resolve_fp8_launch(kind, *key, launch)
+        fp8_launch.FP8_TUNED_LAUNCH[kind][key] = (
+            None if launch is None else fp8_launch.resolve_fp8_launch(kind, *key, launch)
         )
     for bucket, i, n, launch in tables.get("fused_mlp", []):
         key = (int(bucket), int(i), int(n))

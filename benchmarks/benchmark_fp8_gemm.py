@@ -31,8 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_utils
 
-from v1_engine.kernels import fp8, fp8_cutlass
-from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
+from v1_engine.kernels import fp8, fp8_cutlass, fp8_launch
 
 M_VALUES = (1, 16, 64, 128, 256, 512, 1024, 4096, 8192)
 L2_BYTES = 60 * 2**20
@@ -170,7 +169,7 @@ def run_comparison(args: argparse.Namespace) -> list[dict]:
                 "k": shape.k,
                 "config": (
                     "triton"
-                    if fp8_skinny.prefers_fp8_skinny("channel", m, shape.n, shape.k)
+                    if fp8_launch.prefers_fp8_skinny("channel", m, shape.n, shape.k)
                     else fp8_cutlass.scaled_mm_config(m, shape.n, shape.k)
                 ),
                 "ours": case.flops / (t_ours * 1e-3) / 1e12,

@@ -71,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_utils import HBM_BYTES_PER_S, read_gemm_tables, write_gemm_tables
 
 from compile.passes.fused_ops import silu_and_mul_ref
-from v1_engine.kernels import fp8, fp8_cutlass, triton_fused_quant, triton_gemv
+from v1_engine.kernels import fp8, fp8_cutlass, fp8_launch, triton_fused_quant, triton_gemv
 from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
 from v1_engine.kernels import triton_gemv_fp8_decode as fp8_decode
 from v1_engine.layers.quantization.fp8_moe import quantize_matrix_block_fp8
@@ -117,7 +117,7 @@ def element_bytes(kind: str) -> int:
 def block_ks(kind: str, fma: bool) -> tuple[int, ...]:
     """K steps, most promising first: the block kind steps one 128-wide scale group."""
     if kind == "block":
-        return (fp8_skinny.SCALE_GROUP,)
+        return (fp8_launch.SCALE_GROUP,)
     if kind != "bf16":  # e4m3 weights: twice the bf16 kernel's K step, as many bytes
         return (1024, 512, 2048, 256) if fma else (512, 1024, 256)
     return (512, 256, 1024) if fma else (256, 128, 512)
@@ -167,9 +167,9 @@ def wgmma_configs(kind: str) -> list[dict]:
     """The FP8 kinds' "wgmma" body (e4m3 tiles straight into FP8 warpgroup MMAs): column tiles
     of one or two warpgroup MMAs' 64 rows, K steps of whole 128-wide promotion intervals,
     fitting shared memory at the smallest BLOCK_M."""
-    if "wgmma" not in fp8_skinny.KIND_MODES.get(kind, ()):
+    if "wgmma" not in fp8_launch.KIND_MODES.get(kind, ()):
         return []
-    block_ks = (fp8_skinny.SCALE_GROUP,) if kind == "block" else (256, 128, 512)
+    block_ks = (fp8_launch.SCALE_GROUP,) if kind == "block" else (256, 128, 512)
     space = itertools.product((4, 3, 6), block_ks, (64, 128), (4, 8), ("wgmma",))
     return [launch for launch in launches(space) if smem_bytes(kind, launch, 1) <= SMEM_BYTES]
 
@@ -181,7 +181,7 @@ def fma_configs(kind: str) -> list[dict]:
     more weight bytes. In the sm_90 builds of the FP8 kinds (`python
     tests/kernels/fp8_decode_probe.py --rank KIND M`) the launches with 64 values a thread issue
     0.11-0.13 warp instructions a weight byte at M = 1, those with 32 (the default) 0.16."""
-    if "fma" not in (triton_gemv.MODES if kind == "bf16" else fp8_skinny.KIND_MODES[kind]):
+    if "fma" not in (triton_gemv.MODES if kind == "bf16" else fp8_launch.KIND_MODES[kind]):
         return []
     space = itertools.product(
         (4, 3, 6), block_ks(kind, fma=True), fma_block_ns(kind), (4, 8), ("fma",)
@@ -237,7 +237,7 @@ def sweep_configs(kind: str, splits: list[int], modes: list[str] | None) -> list
     """Every config the sweep times for `kind`, most promising first: the bodies interleaved,
     the split launches (`splits` ways) alternating with them, only `modes` (default: the
     kind's bodies)."""
-    kind_modes = triton_gemv.MODES if kind == "bf16" else fp8_skinny.KIND_MODES[kind]
+    kind_modes = triton_gemv.MODES if kind == "bf16" else fp8_launch.KIND_MODES[kind]
     modes = set(modes or kind_modes)
     configs = interleave(interleave(dot_configs(kind), wgmma_configs(kind)), fma_configs(kind))
     split = split_configs(kind, splits)
@@ -407,7 +407,7 @@ class Problem:
     def default_launch(self, m: int, n: int, k: int) -> dict:
         if self.kind == "bf16":
             return triton_gemv.launch_config(m, n, k)
-        return fp8_skinny.fp8_launch_config(self.kind, m, n, k)
+        return fp8_launch.fp8_launch_config(self.kind, m, n, k)
 
 
 def matches(problem: Problem, m: int, launch: dict, ref: torch.Tensor) -> bool:
@@ -535,7 +535,7 @@ def main() -> None:
     torch.manual_seed(0)
     begin = time.perf_counter()
     precompile_all(kind, configs, ms, args.workers)
-    table = dict(triton_gemv.TUNED_LAUNCH if kind == "bf16" else fp8_skinny.FP8_TUNED_LAUNCH[kind])
+    table = dict(triton_gemv.TUNED_LAUNCH if kind == "bf16" else fp8_launch.FP8_TUNED_LAUNCH[kind])
     swept = {}
     for name in names:
         n, k = SHAPES[name]

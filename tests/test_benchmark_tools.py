@@ -122,12 +122,12 @@ def test_make_variants_takes_files_from_a_commit(tmp_path):
 def test_gemm_tables_round_trip_into_the_dispatch_tables(tmp_path, monkeypatch):
     import math
 
-    from v1_engine.kernels import fp8_cutlass, gemm_cutlass, triton_gemv_fp8, triton_mlp
+    from v1_engine.kernels import fp8_cutlass, fp8_launch, gemm_cutlass, triton_mlp
 
     monkeypatch.setattr(gemm_cutlass, "GEMM_TUNED", {})
     monkeypatch.setattr(triton_mlp, "TUNED_LAUNCH", {})
     fp8_skinny = {"channel": {(1, 4096, 4096): None}, "block": {}}
-    monkeypatch.setattr(triton_gemv_fp8, "FP8_TUNED_LAUNCH", fp8_skinny)
+    monkeypatch.setattr(fp8_launch, "FP8_TUNED_LAUNCH", fp8_skinny)
     monkeypatch.setattr(fp8_cutlass, "SCALED_MM_SHAPE_CONFIGS", {(32, 1, 1): 0})
     path = str(tmp_path / "tables.json")
     write_gemm_tables(path, "bf16", [[64, 6144, 4096, 2, "stream_k", 1]])
@@ -142,8 +142,8 @@ def test_gemm_tables_round_trip_into_the_dispatch_tables(tmp_path, monkeypatch):
     assert "1 bf16 GEMM_TUNED entries, 2 FP8" in summary
     assert "2 FP8 skinny FP8_TUNED_LAUNCH entries" in summary
     assert fp8_skinny["channel"] == {(1, 4096, 4096): fma | {"split_k": 1}, (1, 6144, 4096): None}
-    assert triton_gemv_fp8.prefers_fp8_skinny("channel", 1, 4096, 4096)
-    assert not triton_gemv_fp8.prefers_fp8_skinny("channel", 1, 6144, 4096)
+    assert fp8_launch.prefers_fp8_skinny("channel", 1, 4096, 4096)
+    assert not fp8_launch.prefers_fp8_skinny("channel", 1, 6144, 4096)
     launch = triton_mlp.TUNED_LAUNCH[(64, 14336, 4096)]
     assert launch["block_n1"] == 16 and set(launch) == set(triton_mlp.LAUNCH_KEYS)
     assert gemm_cutlass.GEMM_TUNED == {(64, 4096, 4096): (3, "split_k", 2)}
@@ -190,20 +190,19 @@ def test_skinny_sweep_builds_only_launches_the_kernels_take(kind):
     128-wide group a K step, split too; the FP8 kinds' wgmma body early, split too."""
     import sweep_skinny_gemm as sweep
 
-    from v1_engine.kernels import triton_gemv
-    from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
+    from v1_engine.kernels import fp8_launch, triton_gemv
 
     configs = sweep.sweep_configs(kind, [2, 4], None)
     n, k = sweep.SHAPES["down"]
     ran = 0
     for launch in configs:
         for m in (1, 2, 4, 16, 64):
-            if not sweep.applies(kind, launch, m) or (kind in fp8_skinny.DECODE_KINDS and m > 4):
+            if not sweep.applies(kind, launch, m) or (kind in fp8_launch.DECODE_KINDS and m > 4):
                 continue
             if kind == "bf16":
                 resolved = triton_gemv.resolve_launch(m, n, k, launch)
             else:
-                resolved = fp8_skinny.resolve_fp8_launch(kind, m, n, k, launch)
+                resolved = fp8_launch.resolve_fp8_launch(kind, m, n, k, launch)
             assert resolved["mode"] == launch["mode"] and resolved["block_n"] == launch["block_n"]
             ran += 1
     assert ran > 0
@@ -213,7 +212,7 @@ def test_skinny_sweep_builds_only_launches_the_kernels_take(kind):
         gated = 2 if kind in ("gated", "norm_gated") else 1
         assert per_thread[0] * gated == 64 and per_thread[0] == max(per_thread)
     if kind == "block":
-        assert fma and {c["block_k"] for c in fma} == {fp8_skinny.SCALE_GROUP}
+        assert fma and {c["block_k"] for c in fma} == {fp8_launch.SCALE_GROUP}
         assert fma[0]["block_n"] == 64 and any(c.get("split_k", 1) == 4 for c in fma)
     wgmma = [c for c in configs if c["mode"] == "wgmma"]
     if kind in ("channel", "block", "gated"):  # the FP8 MMA body among the first configs
@@ -224,7 +223,7 @@ def test_skinny_sweep_builds_only_launches_the_kernels_take(kind):
         assert not wgmma
     assert sweep.sweep_configs(kind, [], ["fma"]) == [c for c in configs if c["mode"] == "fma"
                                                      and c.get("split_k", 1) == 1]  # fmt: skip
-    if kind in fp8_skinny.DECODE_KINDS:
+    if kind in fp8_launch.DECODE_KINDS:
         assert all(c.get("split_k", 1) == 1 for c in configs)
         assert sorted(map(str, fma + wgmma)) == sorted(map(str, configs))
 

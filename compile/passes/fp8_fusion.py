@@ -193,7 +193,7 @@ def fuse_silu_and_mul_fp8_quant(gm: fx.GraphModule) -> int:
 # out_dtype, bias)` (layers/quantization/fp8.py). Once the norm and SiLU quant fusions have run,
 # the quant left alone (o_proj's) and the MLP's gate_up -> SiLU-and-mul + quant -> down chain
 # become the ops of compile/passes/fp8_linear_ops.py, which skip the activation quant at the
-# decode sizes kernels/triton_gemv_fp8.py's tables hold.
+# decode sizes FP8_TUNED_LAUNCH (kernels/fp8_launch.py) holds.
 
 
 def _scaled_mm_call(node: object) -> tuple | None:

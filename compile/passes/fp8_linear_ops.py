@@ -6,8 +6,8 @@ SiLU-and-mul before it can do it (o_proj's input, the attention output), and the
 projection's input is quantized by the SiLU-and-mul kernel after the gate_up GEMM. At a decode
 step of a few rows those kernels move almost no data, yet each adds a launch and a drain to the
 step (about 2 us each on the H200, benchmarks/RESULTS.md "L2 prefetch of the next GEMM's
-weight"). At the M buckets that kernels/triton_gemv_fp8.py's FP8_TUNED_LAUNCH holds for the
-"weight_only" / "gated" kinds, these ops drop them:
+weight"). At the M buckets FP8_TUNED_LAUNCH holds for the "weight_only" / "gated" kinds
+(kernels/fp8_launch.py's dispatch rule), these ops drop them:
 
 - `fp8_dynamic_linear(x, w, w_scale, out_dtype, bias)`: the bf16 x times the e4m3 weight in one
   kernel ("weight_only"), x not quantized; elsewhere per_token_fp8_quant then scaled_mm.
@@ -69,6 +69,13 @@ def _decode():
     return triton_gemv_fp8_decode
 
 
+def _launch():
+    """kernels/fp8_launch.py (the kernels' launch table and dispatch rule), likewise."""
+    from v1_engine.kernels import fp8_launch
+
+    return fp8_launch
+
+
 def _weight_only_fits(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether the "weight_only" kernel takes x times weight on this shape: an entry in its table
     for x's M bucket, x already in the output dtype, the skinny kernels' operand layout."""
@@ -78,7 +85,7 @@ def _weight_only_fits(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dt
         and out_dtype in skinny.OUT_DTYPES
         and weight.dtype == skinny.FP8_DTYPE
         and skinny.triton_gemv.skinny_operands(x, weight)
-        and skinny.prefers_fp8_skinny("weight_only", x.shape[0], weight.shape[0], x.shape[1])
+        and _launch().prefers_fp8_skinny("weight_only", x.shape[0], weight.shape[0], x.shape[1])
     )
 
 
@@ -113,7 +120,7 @@ def fp8_gated_mlp_cuda(
     from compile.passes.fused_quant_ops import _triton
     from v1_engine.kernels import fp8
 
-    skinny = _skinny()
+    skinny, launch = _skinny(), _launch()
     m, k = q.shape
     rows, inner = w_gate_up.shape[0], w_down.shape[1]
     if (
@@ -122,8 +129,8 @@ def fp8_gated_mlp_cuda(
         and rows == 2 * inner
         and skinny.fits_fp8_skinny(q, w_gate_up)
         and w_down.is_contiguous()
-        and skinny.prefers_fp8_skinny("gated", m, rows, k)
-        and skinny.prefers_fp8_skinny("weight_only", m, w_down.shape[0], inner)
+        and launch.prefers_fp8_skinny("gated", m, rows, k)
+        and launch.prefers_fp8_skinny("weight_only", m, w_down.shape[0], inner)
     ):
         decode = _decode()
         h = decode.fp8_gated_gemm(q, w_gate_up, scale, s_gate_up, out_dtype)

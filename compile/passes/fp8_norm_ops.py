@@ -8,8 +8,8 @@ almost no data, yet it is a launch and a drain between two GEMMs. The norm is a 
 it factors out of the GEMM: rmsnorm(h) * w @ W^T = rsqrt(mean(h^2) + eps) * ((h * w) @ W^T) for
 h = x + residual. The "norm" kinds of kernels/triton_gemv_fp8_decode.py compute exactly that:
 every program forms h and h * w from the K it walks anyway, sums h^2 on the way, and scales its
-rows at the end; program 0 writes h (the next residual). At the M buckets kernels/
-triton_gemv_fp8.py's FP8_TUNED_LAUNCH holds for "norm" / "norm_gated":
+rows at the end; program 0 writes h (the next residual). At the M buckets FP8_TUNED_LAUNCH
+holds for "norm" / "norm_gated" (kernels/fp8_launch.py's dispatch rule):
 
 - `fp8_add_norm_linear(x, residual, w_norm, eps, weight, weight_scale, out_dtype, bias)` ->
   (out, x + residual): one "norm" kernel instead of the norm-quant kernel and the GEMM;
@@ -66,10 +66,11 @@ def fp8_add_norm_gated_mlp_ref(
 
 
 def _kernels():
-    """The FP8 skinny modules, imported on first CUDA use so CPU imports never need triton."""
-    from v1_engine.kernels import triton_gemv_fp8, triton_gemv_fp8_decode
+    """The FP8 skinny modules (launch rules, kernels, decode kernels), imported on first CUDA use
+    so CPU imports never need triton."""
+    from v1_engine.kernels import fp8_launch, triton_gemv_fp8, triton_gemv_fp8_decode
 
-    return triton_gemv_fp8, triton_gemv_fp8_decode
+    return fp8_launch, triton_gemv_fp8, triton_gemv_fp8_decode
 
 
 def norm_kernel_fits(
@@ -83,7 +84,7 @@ def norm_kernel_fits(
     """Whether the `kind` ("norm" / "norm_gated") kernel takes this call: x and residual 2-D in
     the output dtype with unit last strides, a contiguous norm weight of K values, the skinny
     kernels' operand layout, and an entry in the kind's table for x's M bucket."""
-    skinny, _ = _kernels()
+    launch, skinny, _ = _kernels()
     return (
         x.dim() == 2
         and x.dtype == out_dtype
@@ -95,7 +96,7 @@ def norm_kernel_fits(
         and norm_weight.shape == (x.shape[1],)
         and norm_weight.is_contiguous()
         and skinny.triton_gemv.skinny_operands(x, weight)
-        and skinny.prefers_fp8_skinny(kind, x.shape[0], weight.shape[0], x.shape[1])
+        and launch.prefers_fp8_skinny(kind, x.shape[0], weight.shape[0], x.shape[1])
     )
 
 
@@ -120,7 +121,7 @@ def fp8_add_norm_linear_cuda(
 
     fits = norm_kernel_fits("norm", x, residual, norm_weight, weight, out_dtype)
     if fits and (bias is None or bias.dtype == out_dtype):
-        return _kernels()[1].fp8_add_norm_gemm(
+        return _kernels()[2].fp8_add_norm_gemm(
             x, residual, norm_weight, eps, weight, weight_scale, bias
         )
     q, scale, summed = _norm_quant_cuda(x, residual, norm_weight, eps)
@@ -142,14 +143,14 @@ def fp8_add_norm_gated_mlp_cuda(
     """The CUDA body of `v1_engine::fp8_add_norm_gated_mlp`: the "norm_gated" and "weight_only"
     kernels where both tables hold the shapes, else the norm-quant kernel and fp8_gated_mlp's
     body."""
-    skinny, decode = _kernels()
+    launch, _, decode = _kernels()
     rows, inner = w_gate_up.shape[0], w_down.shape[1]
     if (
         act_dtype == out_dtype
         and rows == 2 * inner
         and w_down.is_contiguous()
         and norm_kernel_fits("norm_gated", x, residual, norm_weight, w_gate_up, out_dtype)
-        and skinny.prefers_fp8_skinny("weight_only", x.shape[0], w_down.shape[0], inner)
+        and launch.prefers_fp8_skinny("weight_only", x.shape[0], w_down.shape[0], inner)
     ):
         h, summed = decode.fp8_add_norm_gemm(
             x, residual, norm_weight, eps, w_gate_up, s_gate_up, gated=True

@@ -25,6 +25,7 @@ import torch
 import triton
 from pipeline_probe import compile_recorded, register_usage
 
+from v1_engine.kernels import fp8_launch
 from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
 from v1_engine.kernels import triton_gemv_fp8_decode as fp8_decode
 
@@ -116,8 +117,8 @@ def compile_case(kind: str, m: int, n: int, k: int, launch: dict) -> dict:
         )
     elif kind == "block":
         a = torch.zeros(m, k, dtype=fp8)
-        groups = triton.cdiv(k, fp8_skinny.SCALE_GROUP)
-        scale_b = torch.ones(triton.cdiv(n, fp8_skinny.SCALE_GROUP), groups)
+        groups = triton.cdiv(k, fp8_launch.SCALE_GROUP)
+        scale_b = torch.ones(triton.cdiv(n, fp8_launch.SCALE_GROUP), groups)
         fp8_skinny.fp8_block_skinny_gemm(
             a, b, torch.ones(m, groups), scale_b, torch.bfloat16, **launch
         )

@@ -22,6 +22,7 @@ from v1_engine.kernels import fp8
 _CUDA = torch.cuda.is_available()
 triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
 skinny = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8")
+fp8_launch = pytest.importorskip("v1_engine.kernels.fp8_launch")
 decode = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8_decode")
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
 
@@ -81,7 +82,7 @@ def test_weight_only_matches_reference_interpreted(m, dtype, per_channel):
 @interpreter_only
 @pytest.mark.parametrize("m", [1, 3, 4])
 @pytest.mark.parametrize("per_token", [True, False])
-@pytest.mark.parametrize("mode", skinny.KIND_MODES["gated"])
+@pytest.mark.parametrize("mode", fp8_launch.KIND_MODES["gated"])
 def test_gated_matches_the_quantized_chain_interpreted(m, per_token, mode):
     # I = 40 gate rows then 40 up rows: the up half starts inside a column tile's stride (the
     # wgmma body's 64-row tile masks 24 of them); K = 88 is one masked step of 32, or of 128.
@@ -97,16 +98,16 @@ def test_gated_matches_the_quantized_chain_interpreted(m, per_token, mode):
 
 
 def test_decode_kind_launch_rules(monkeypatch):
-    default = skinny.default_fp8_launch("weight_only", 1, 4096, 4096)
+    default = fp8_launch.default_fp8_launch("weight_only", 1, 4096, 4096)
     assert default["mode"] == "fma" and default["split_k"] == 1
-    assert skinny.default_fp8_launch("gated", 1, 28672, 4096)["block_n"] == 2
-    assert skinny.fp8_launch_config("gated", 1, 28672, 4096)["mode"] == "wgmma"  # measured entry
+    assert fp8_launch.default_fp8_launch("gated", 1, 28672, 4096)["block_n"] == 2
+    measured = fp8_launch.fp8_launch_config("gated", 1, 28672, 4096)  # a table entry
+    assert measured["mode"] == "wgmma"
     # The K step shrinks with M: the float32 accumulator stays at 32 registers a thread.
-    assert [skinny.fp8_launch_config("weight_only", m, 64, 64)["block_k"] for m in (1, 2, 3)] == [
-        1024,
-        512,
-        256,
+    block_ks = [
+        fp8_launch.fp8_launch_config("weight_only", m, 64, 64)["block_k"] for m in (1, 2, 3)
     ]
+    assert block_ks == [1024, 512, 256]
     for kind, m, bad, match in (
         ("weight_only", 8, {}, "'fma' needs M in 1..4"),
         ("gated", 1, {"mode": "dot_swap", "block_n": 32}, "mode must be one of"),
@@ -115,15 +116,15 @@ def test_decode_kind_launch_rules(monkeypatch):
         ("weight_only", 1, {"split_k": 2}, "split_k must be 1"),
     ):
         with pytest.raises(ValueError, match=match):
-            skinny.resolve_fp8_launch(kind, m, 4096, 4096, bad)
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, "weight_only", {})
-    assert not skinny.prefers_fp8_skinny("weight_only", 1, 4096, 4096)  # no entry: the chain
+            fp8_launch.resolve_fp8_launch(kind, m, 4096, 4096, bad)
+    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, "weight_only", {})
+    assert not fp8_launch.prefers_fp8_skinny("weight_only", 1, 4096, 4096)  # no entry: the chain
     # An entry beyond the fma body's rows is never taken (its launch would be refused).
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
     for bucket in (4, 8):
-        monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["weight_only"], (bucket, 64, 64), {})
-    assert skinny.prefers_fp8_skinny("weight_only", 3, 64, 64)
-    assert not skinny.prefers_fp8_skinny("weight_only", 5, 64, 64)
+        monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH["weight_only"], (bucket, 64, 64), {})
+    assert fp8_launch.prefers_fp8_skinny("weight_only", 3, 64, 64)
+    assert not fp8_launch.prefers_fp8_skinny("weight_only", 5, 64, 64)
 
 
 @pytest.fixture
@@ -148,8 +149,8 @@ def chain(monkeypatch):
     for name in ("fp8_weight_only_gemm", "fp8_gated_gemm"):
         kernels[name] = Recorder(getattr(decode, name))
         monkeypatch.setattr(decode, name, lambda *a, _r=kernels[name], **kw: _r(*a, **kw))
-    for kind in skinny.DECODE_KINDS:
-        monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, kind, {})
+    for kind in fp8_launch.DECODE_KINDS:
+        monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, kind, {})
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
     return stubs, kernels
 
@@ -168,8 +169,8 @@ def test_dynamic_linear_cuda_body_dispatch_interpreted(chain, monkeypatch):
     assert torch.equal(fp8_linear_ops.fp8_dynamic_linear_cuda(*args), want)
     assert (stubs["quant"].calls, stubs["scaled_mm"].calls) == (1, 1)
 
-    launch = skinny.resolve_fp8_launch("weight_only", 3, n, k, SMALL)
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["weight_only"], (4, n, k), launch)
+    launch = fp8_launch.resolve_fp8_launch("weight_only", 3, n, k, SMALL)
+    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH["weight_only"], (4, n, k), launch)
     out = fp8_linear_ops.fp8_dynamic_linear_cuda(*args)
     assert_matches(out, weight_only_ref(x, w, scale_w, bias))
     assert kernels["fp8_weight_only_gemm"].calls == 1
@@ -178,7 +179,7 @@ def test_dynamic_linear_cuda_body_dispatch_interpreted(chain, monkeypatch):
 
     fp8_linear_ops.fp8_dynamic_linear_cuda(x.float(), w, scale_w, torch.bfloat16, bias)
     x8 = randn((8, k), 4).to(torch.bfloat16)
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["weight_only"], (8, n, k), launch)
+    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH["weight_only"], (8, n, k), launch)
     fp8_linear_ops.fp8_dynamic_linear_cuda(x8, w, scale_w, torch.bfloat16, bias)
     assert kernels["fp8_weight_only_gemm"].calls == 1
     assert (stubs["quant"].calls, stubs["scaled_mm"].calls) == (3, 3)
@@ -198,12 +199,12 @@ def test_gated_mlp_cuda_body_dispatch_interpreted(chain, monkeypatch):
     assert torch.equal(fp8_linear_ops.fp8_gated_mlp_cuda(*args), want)
     assert (stubs["scaled_mm"].calls, stubs["silu_quant"].calls) == (2, 1)
 
-    gated = skinny.resolve_fp8_launch("gated", 2, 2 * i, k, SMALL)
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["gated"], (2, 2 * i, k), gated)
+    gated = fp8_launch.resolve_fp8_launch("gated", 2, 2 * i, k, SMALL)
+    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH["gated"], (2, 2 * i, k), gated)
     fp8_linear_ops.fp8_gated_mlp_cuda(*args)  # the down shape has no entry yet
     assert kernels["fp8_gated_gemm"].calls == 0
-    down = skinny.resolve_fp8_launch("weight_only", 2, n, i, SMALL)
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["weight_only"], (2, n, i), down)
+    down = fp8_launch.resolve_fp8_launch("weight_only", 2, n, i, SMALL)
+    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH["weight_only"], (2, n, i), down)
     out = fp8_linear_ops.fp8_gated_mlp_cuda(*args)
     h = silu_and_mul_ref(fp8.scaled_mm_ref(a, w_gu, scale_a, s_gu, torch.bfloat16))
     assert_matches(out, weight_only_ref(h, w_d, s_d), ulps=2.0)
@@ -261,7 +262,7 @@ def test_weight_only_llama3_shapes_gpu(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 3, 4])
-@pytest.mark.parametrize("mode", [*skinny.KIND_MODES["gated"], "table"])
+@pytest.mark.parametrize("mode", [*fp8_launch.KIND_MODES["gated"], "table"])
 def test_gated_llama3_gate_up_gpu(m, mode):
     """Each body, and "table": the launch the op takes at this M (at M = 1 the measured wgmma
     entry, 128-deep steps)."""
@@ -290,7 +291,7 @@ def test_decode_ops_replay_in_a_cuda_graph_gpu(monkeypatch):
     ):
         key = (1, *shape)
         monkeypatch.setitem(
-            skinny.FP8_TUNED_LAUNCH[kind], key, skinny.fp8_launch_config(kind, *key)
+            fp8_launch.FP8_TUNED_LAUNCH[kind], key, fp8_launch.fp8_launch_config(kind, *key)
         )
     w_o, s_o = quantized_weight(4096, 4096, seed=1, device="cuda")
     w_gu, s_gu = quantized_weight(28672, 4096, seed=2, device="cuda")

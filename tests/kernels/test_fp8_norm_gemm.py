@@ -21,7 +21,7 @@ from v1_engine.kernels import fp8
 
 _CUDA = torch.cuda.is_available()
 triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
-skinny = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8")
+fp8_launch = pytest.importorskip("v1_engine.kernels.fp8_launch")
 decode = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8_decode")
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
 
@@ -110,24 +110,24 @@ def test_norm_gemm_rows_are_independent_interpreted():
 
 
 def test_norm_kind_launch_rules():
-    assert skinny.default_fp8_launch("norm_gated", 1, 28672, 4096)["block_n"] == 2
-    assert skinny.default_fp8_launch("norm", 1, 6144, 4096)["mode"] == "fma"
+    assert fp8_launch.default_fp8_launch("norm_gated", 1, 28672, 4096)["block_n"] == 2
+    assert fp8_launch.default_fp8_launch("norm", 1, 6144, 4096)["mode"] == "fma"
     for kind, bad, match in (
         ("norm", {"mode": "dot_swap", "block_n": 32}, "mode must be one of"),
         ("norm_gated", {"mode": "wgmma", "block_n": 64, "block_k": 128}, "mode must be"),
         ("norm", {"split_k": 2}, "split_k must be 1"),
     ):
         with pytest.raises(ValueError, match=match):
-            skinny.resolve_fp8_launch(kind, 1, 4096, 4096, bad)
+            fp8_launch.resolve_fp8_launch(kind, 1, 4096, 4096, bad)
     # Measured: Llama-3-8B's qkv and gate_up at M = 1, valid launches of their kinds; every
     # other M bucket and shape runs the quantized chain.
     for kind, shape in (("norm", (6144, 4096)), ("norm_gated", (28672, 4096))):
-        assert set(skinny.FP8_TUNED_LAUNCH[kind]) == {(1, *shape)}
-        launch = skinny.FP8_TUNED_LAUNCH[kind][(1, *shape)]
-        assert skinny.resolve_fp8_launch(kind, 1, *shape, launch)["mode"] == "fma"
-        assert skinny.prefers_fp8_skinny(kind, 1, *shape)
-        assert not skinny.prefers_fp8_skinny(kind, 2, *shape)
-    assert not skinny.prefers_fp8_skinny("norm", 1, 4096, 4096)
+        assert set(fp8_launch.FP8_TUNED_LAUNCH[kind]) == {(1, *shape)}
+        launch = fp8_launch.FP8_TUNED_LAUNCH[kind][(1, *shape)]
+        assert fp8_launch.resolve_fp8_launch(kind, 1, *shape, launch)["mode"] == "fma"
+        assert fp8_launch.prefers_fp8_skinny(kind, 1, *shape)
+        assert not fp8_launch.prefers_fp8_skinny(kind, 2, *shape)
+    assert not fp8_launch.prefers_fp8_skinny("norm", 1, 4096, 4096)
 
 
 class Recorder:
@@ -166,8 +166,8 @@ def chain(monkeypatch):
     for name in ("fp8_add_norm_gemm", "fp8_weight_only_gemm", "fp8_gated_gemm"):
         kernels[name] = Recorder(getattr(decode, name))
         monkeypatch.setattr(decode, name, lambda *a, _r=kernels[name], **kw: _r(*a, **kw))
-    for kind in skinny.DECODE_KINDS:
-        monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, kind, {})
+    for kind in fp8_launch.DECODE_KINDS:
+        monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, kind, {})
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
     return stubs, kernels
 
@@ -186,8 +186,8 @@ def test_add_norm_linear_cuda_body_dispatch_interpreted(chain, monkeypatch):
     assert all(torch.equal(g, v) for g, v in zip(got, want, strict=True))
     assert (stubs["norm_quant"].calls, stubs["scaled_mm"].calls) == (1, 1)
 
-    launch = skinny.resolve_fp8_launch("norm", m, n, k, SMALL)
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["norm"], (m, n, k), launch)
+    launch = fp8_launch.resolve_fp8_launch("norm", m, n, k, SMALL)
+    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH["norm"], (m, n, k), launch)
     out, h = fp8_norm_ops.fp8_add_norm_linear_cuda(*args)
     assert kernels["fp8_add_norm_gemm"].calls == 1
     assert torch.equal(h, want[1])
@@ -220,12 +220,12 @@ def test_add_norm_gated_mlp_cuda_body_dispatch_interpreted(chain, monkeypatch):
         1,
     )
 
-    gated = skinny.resolve_fp8_launch("norm_gated", m, 2 * i, k, SMALL)
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["norm_gated"], (m, 2 * i, k), gated)
+    gated = fp8_launch.resolve_fp8_launch("norm_gated", m, 2 * i, k, SMALL)
+    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH["norm_gated"], (m, 2 * i, k), gated)
     fp8_norm_ops.fp8_add_norm_gated_mlp_cuda(*args)  # the down shape has no entry yet
     assert kernels["fp8_add_norm_gemm"].calls == 0
-    down = skinny.resolve_fp8_launch("weight_only", m, n, i, SMALL)
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["weight_only"], (m, n, i), down)
+    down = fp8_launch.resolve_fp8_launch("weight_only", m, n, i, SMALL)
+    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH["weight_only"], (m, n, i), down)
     out, h = fp8_norm_ops.fp8_add_norm_gated_mlp_cuda(*args)
     assert (kernels["fp8_add_norm_gemm"].calls, kernels["fp8_weight_only_gemm"].calls) == (1, 1)
     assert torch.equal(h, want[1])
@@ -291,7 +291,7 @@ def test_norm_ops_replay_in_a_cuda_graph_gpu(monkeypatch):
     ):
         key = (1, *shape)
         monkeypatch.setitem(
-            skinny.FP8_TUNED_LAUNCH[kind], key, skinny.fp8_launch_config(kind, *key)
+            fp8_launch.FP8_TUNED_LAUNCH[kind], key, fp8_launch.fp8_launch_config(kind, *key)
         )
     w_qkv, s_qkv = quantized_weight(6144, 4096, seed=1, device="cuda")
     w_gu, s_gu = quantized_weight(28672, 4096, seed=2, device="cuda")

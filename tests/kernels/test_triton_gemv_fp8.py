@@ -24,6 +24,7 @@ _CUDA = torch.cuda.is_available()
 # before any kernel module is imported.
 triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
 skinny = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8")
+fp8_launch = pytest.importorskip("v1_engine.kernels.fp8_launch")
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
 
 ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -94,7 +95,7 @@ def body_cases(kind: str, ms: list[int]) -> list[tuple[str, int]]:
     triton_gemv.FMA_MAX_M rows)."""
     return [
         (mode, m)
-        for mode in skinny.KIND_MODES[kind]
+        for mode in fp8_launch.KIND_MODES[kind]
         for m in ms
         if mode != "fma" or m <= triton_gemv.FMA_MAX_M
     ]
@@ -202,7 +203,9 @@ def test_block_kernel_reads_transposed_scales_and_whole_block_tiles_interpreted(
 def test_default_launch_masks_a_short_k_interpreted(kind):
     # The default configs over K = 96: one masked step (BLOCK_K 512, or 128 for block).
     m, n, k = 5, 24, 96
-    assert skinny.fp8_launch_config(kind, m, n, k)["block_k"] == (512 if kind == "channel" else 128)
+    assert fp8_launch.fp8_launch_config(kind, m, n, k)["block_k"] == (
+        512 if kind == "channel" else 128
+    )
     if kind == "channel":
         a, b, scale_a, scale_b = channel_operands(m, n, k, "token", seed=3)
         out = skinny.fp8_skinny_gemm(a, b, scale_a, scale_b, torch.bfloat16)
@@ -244,8 +247,8 @@ def stubs(monkeypatch):
             return _kernel(*args, **kwargs)
 
         monkeypatch.setattr(skinny, name, counted)
-    for kind in skinny.KINDS:  # as shipped before any measurement: no shape has an entry
-        monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, kind, {})
+    for kind in fp8_launch.KINDS:  # as shipped before any measurement: no shape has an entry
+        monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, kind, {})
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
     return cutlass, triton_calls
 
@@ -265,7 +268,9 @@ def test_scaled_mm_cuda_body_dispatch_interpreted(stubs, monkeypatch):
     assert torch.equal(fp8._scaled_mm_cuda(*args), ref)
     assert (cutlass["channel"].calls, triton_calls["channel"]) == (1, 0)
 
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["channel"], (4, n, k), launch_for("dot_swap", ""))
+    monkeypatch.setitem(
+        fp8_launch.FP8_TUNED_LAUNCH["channel"], (4, n, k), launch_for("dot_swap", "")
+    )
     assert_matches(fp8._scaled_mm_cuda(*args), ref)
     assert (cutlass["channel"].calls, triton_calls["channel"]) == (1, 1)
 
@@ -275,9 +280,9 @@ def test_scaled_mm_cuda_body_dispatch_interpreted(stubs, monkeypatch):
     beyond = triton_gemv.SKINNY_MAX_M + 1
     a_beyond, _, scale_a_beyond, _ = channel_operands(beyond, n, k, "token", seed=3)
     key = (triton_gemv.m_bucket(beyond), n, k)
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["channel"], key, launch_for("dot_swap", ""))
+    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH["channel"], key, launch_for("dot_swap", ""))
     fp8._scaled_mm_cuda(a_beyond, b, scale_a_beyond, scale_b, torch.bfloat16, bias)
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH["channel"], (4, n, k), None)  # CUTLASS faster
+    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH["channel"], (4, n, k), None)  # CUTLASS faster
     fp8._scaled_mm_cuda(*args)
     assert (cutlass["channel"].calls, triton_calls["channel"]) == (4, 1)
 
@@ -292,12 +297,12 @@ def test_block_scaled_mm_cuda_body_dispatch_interpreted(stubs, monkeypatch):
     assert torch.equal(fp8._block_scaled_mm_cuda(*args), ref)
     assert (cutlass["block"].calls, triton_calls["block"]) == (1, 0)
     monkeypatch.setitem(
-        skinny.FP8_TUNED_LAUNCH["block"], (2, n, k), launch_for("dot_swap", "block")
+        fp8_launch.FP8_TUNED_LAUNCH["block"], (2, n, k), launch_for("dot_swap", "block")
     )
     assert_matches(fp8._block_scaled_mm_cuda(*args), ref)
     assert (cutlass["block"].calls, triton_calls["block"]) == (1, 1)
     # The channel table does not serve the block kind, nor the other way round.
-    assert not skinny.prefers_fp8_skinny("channel", 2, n, k)
+    assert not fp8_launch.prefers_fp8_skinny("channel", 2, n, k)
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", False)
     fp8._block_scaled_mm_cuda(*args)
     assert (cutlass["block"].calls, triton_calls["block"]) == (2, 1)
@@ -326,11 +331,11 @@ def test_every_table_entry_is_a_valid_launch():
     """Each measured entry resolves at its shape (a split dividing K into non-empty slices, the
     block kind's one-group K step); None entries and unmeasured shapes keep CUTLASS."""
     entries = 0
-    for kind, table in skinny.FP8_TUNED_LAUNCH.items():
+    for kind, table in fp8_launch.FP8_TUNED_LAUNCH.items():
         for (m, n, k), launch in table.items():
             assert triton_gemv.m_bucket(m) == m, (kind, m, n, k)
             if launch is not None:
-                resolved = skinny.resolve_fp8_launch(kind, m, n, k, {})
+                resolved = fp8_launch.resolve_fp8_launch(kind, m, n, k, {})
                 assert resolved == {"split_k": 1} | launch
                 entries += 1
     assert entries > 0
@@ -347,25 +352,25 @@ def test_vector_stride_reads_scales_in_place():
 
 def test_launch_table_and_overrides(monkeypatch):
     tuned = {"mode": "dot_swap", "block_n": 16, "block_k": 1024, "num_warps": 8, "num_stages": 5}
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, "channel", {(4, 1024, 2048): tuned})
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, "block", {(16, 1024, 2048): None})
+    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, "channel", {(4, 1024, 2048): tuned})
+    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, "block", {(16, 1024, 2048): None})
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
-    assert skinny.fp8_launch_config("channel", 3, 1024, 2048) == tuned  # the 4 bucket
-    assert skinny.prefers_fp8_skinny("channel", 3, 1024, 2048)
-    assert not skinny.prefers_fp8_skinny("channel", 5, 1024, 2048)  # unmeasured: CUTLASS
-    assert not skinny.prefers_fp8_skinny("block", 9, 1024, 2048)  # measured: CUTLASS faster
-    assert skinny.fp8_launch_config("block", 9, 1024, 2048) == skinny.default_fp8_launch(
+    assert fp8_launch.fp8_launch_config("channel", 3, 1024, 2048) == tuned  # the 4 bucket
+    assert fp8_launch.prefers_fp8_skinny("channel", 3, 1024, 2048)
+    assert not fp8_launch.prefers_fp8_skinny("channel", 5, 1024, 2048)  # unmeasured: CUTLASS
+    assert not fp8_launch.prefers_fp8_skinny("block", 9, 1024, 2048)  # measured: CUTLASS faster
+    assert fp8_launch.fp8_launch_config("block", 9, 1024, 2048) == fp8_launch.default_fp8_launch(
         "block", 9, 1024, 2048
     )
-    resolved = skinny.resolve_fp8_launch("channel", 3, 1024, 2048, {"num_stages": 2})
+    resolved = fp8_launch.resolve_fp8_launch("channel", 3, 1024, 2048, {"num_stages": 2})
     assert resolved == tuned | {"num_stages": 2, "split_k": 1}
-    assert skinny.resolve_fp8_launch("block", 3, 1024, 2048, {"split_k": 4})["split_k"] == 4
+    assert fp8_launch.resolve_fp8_launch("block", 3, 1024, 2048, {"split_k": 4})["split_k"] == 4
     fma = {"mode": "fma", "block_n": 8}  # the block kind's fma body: one group a K step too
-    assert skinny.resolve_fp8_launch("block", 3, 1024, 2048, fma)["block_k"] == 128
+    assert fp8_launch.resolve_fp8_launch("block", 3, 1024, 2048, fma)["block_k"] == 128
     wgmma = {"mode": "wgmma", "block_n": 128, "block_k": 256}
-    assert skinny.resolve_fp8_launch("channel", 64, 1024, 2048, wgmma)["mode"] == "wgmma"
+    assert fp8_launch.resolve_fp8_launch("channel", 64, 1024, 2048, wgmma)["mode"] == "wgmma"
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", False)
-    assert not skinny.prefers_fp8_skinny("channel", 3, 1024, 2048)
+    assert not fp8_launch.prefers_fp8_skinny("channel", 3, 1024, 2048)
     for kind, bad, match in (
         ("channel", {"block_m": 16}, "unknown launch key"),
         ("channel", {"mode": "split_k"}, "mode"),
@@ -384,11 +389,11 @@ def test_launch_table_and_overrides(monkeypatch):
         ("channel", {"block_k": 256, "split_k": 7}, "would leave a slice empty"),
     ):
         with pytest.raises(ValueError, match=match):
-            skinny.resolve_fp8_launch(kind, 3, 1024, 2048, bad)
+            fp8_launch.resolve_fp8_launch(kind, 3, 1024, 2048, bad)
     with pytest.raises(ValueError, match="'fma' needs M in 1..4"):
-        skinny.resolve_fp8_launch("channel", 8, 1024, 2048, {"mode": "fma", "block_n": 8})
+        fp8_launch.resolve_fp8_launch("channel", 8, 1024, 2048, {"mode": "fma", "block_n": 8})
     with pytest.raises(ValueError, match="kind must be one of"):
-        skinny.fp8_launch_config("tensor", 1, 64, 64)
+        fp8_launch.fp8_launch_config("tensor", 1, 64, 64)
     with pytest.raises(ValueError, match="out_dtype"):
         skinny.fp8_skinny_gemm(*channel_operands(1, 16, 32, "tensor", seed=1), torch.float32)
 
@@ -478,7 +483,7 @@ def test_split_k_llama3_shapes_gpu(mode, kind, name, m, split):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", GRANULARITIES)
-@pytest.mark.parametrize("mode", skinny.KIND_MODES["channel"])
+@pytest.mark.parametrize("mode", fp8_launch.KIND_MODES["channel"])
 def test_channel_ragged_shape_every_granularity_gpu(granularity, mode):
     """N = 1000 and K = 4112 are multiples of 16 but of no tile: masked edges on the device."""
     m = 3 if mode == "fma" else 5
@@ -505,10 +510,10 @@ def test_op_dispatch_gpu(kind, monkeypatch):
         op, kernel = fp8.block_scaled_mm, skinny.fp8_block_skinny_gemm
         cutlass = fp8.block_scaled_mm_cutlass
     args = (a, b, scale_a, scale_b, torch.bfloat16)
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, kind, {})
+    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, kind, {})
     assert torch.equal(op(*args), cutlass(*args))
-    launch = skinny.default_fp8_launch(kind, 4, n, k) | {"mode": "dot_swap", "block_n": 64}
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, kind, {(4, n, k): launch})
+    launch = fp8_launch.default_fp8_launch(kind, 4, n, k) | {"mode": "dot_swap", "block_n": 64}
+    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, kind, {(4, n, k): launch})
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
     assert torch.equal(op(*args), kernel(*args, **launch))
 
@@ -521,7 +526,7 @@ def test_cuda_graph_replay_gpu(monkeypatch):
     b, scale_b = llama3_weight("o_proj", "channel")
     launch = {"mode": "dot_swap", "block_n": 64, "block_k": 512, "num_warps": 4, "num_stages": 4}
     launch["split_k"] = 4  # the semaphores reset inside the graph, so every replay is right
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, "channel", {(4, n, k): launch})
+    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, "channel", {(4, n, k): launch})
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
     bias = randn((n,), 1).to("cuda", torch.bfloat16)
     x = randn((4, k), 2).to("cuda", torch.bfloat16)
@@ -554,7 +559,7 @@ def test_scaled_mm_under_compile_with_unbacked_token_count_gpu(monkeypatch):
     b, scale_b = llama3_weight("qkv", "channel")
     launch = {"mode": "dot_swap", "block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 4}
     table = {(1, n, k): launch, (8, n, k): launch | {"mode": "dot_swap", "block_n": 64}}
-    monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH, "channel", table)
+    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, "channel", table)
     monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
 
     def linear(x):

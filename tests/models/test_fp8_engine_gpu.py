@@ -56,13 +56,13 @@ def assert_tokens_follow(got: list, want: list) -> None:
 
 def set_table_entries(monkeypatch, entries) -> None:
     """FP8 decode table entries (kind, (N, K)) at M buckets 1..4, 128-deep K steps."""
-    from v1_engine.kernels import triton_gemv_fp8 as skinny
+    from v1_engine.kernels import fp8_launch
 
     for bucket in (1, 2, 4):
         for kind, shape in entries:
             key = (bucket, *shape)
-            launch = skinny.fp8_launch_config(kind, *key) | {"block_k": 128}
-            monkeypatch.setitem(skinny.FP8_TUNED_LAUNCH[kind], key, launch)
+            launch = fp8_launch.fp8_launch_config(kind, *key) | {"block_k": 128}
+            monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH[kind], key, launch)
 
 
 @pytest.mark.gpu

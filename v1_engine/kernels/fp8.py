@@ -395,13 +395,14 @@ def _scaled_mm_cuda(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     _check_cuda_alignment(a, b, block_scaled=False)
-    from v1_engine.kernels import triton_gemv_fp8 as skinny  # triton imported on CUDA use only
+    from v1_engine.kernels import fp8_launch  # triton imported on CUDA use only
+    from v1_engine.kernels import triton_gemv_fp8 as skinny
 
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
     # Decode-sized M on a measured shape: the GEMV of csrc/fp8_gemv.cu, or the skinny Triton GEMM.
     if prefers_gemv(m, n, k) and fits_gemv(a, b, out_dtype, bias):
         return scaled_mm_gemv(a, b, scale_a, scale_b, out_dtype, bias)
-    if skinny.fits_fp8_skinny(a, b, bias) and skinny.prefers_fp8_skinny("channel", m, n, k):
+    if skinny.fits_fp8_skinny(a, b, bias) and fp8_launch.prefers_fp8_skinny("channel", m, n, k):
         return skinny.fp8_skinny_gemm(a, b, scale_a, scale_b, out_dtype, bias)
     return scaled_mm_cutlass(a, b, scale_a, scale_b, out_dtype, bias)
 
@@ -457,10 +458,11 @@ def _block_scaled_mm_cuda(
 ) -> torch.Tensor:
     _check_cuda_alignment(a, b, block_scaled=True)
     # Decode-sized M on a measured shape: the skinny Triton GEMM (triton imported on CUDA use).
+    from v1_engine.kernels import fp8_launch
     from v1_engine.kernels import triton_gemv_fp8 as skinny
 
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
-    if skinny.fits_fp8_skinny(a, b) and skinny.prefers_fp8_skinny("block", m, n, k):
+    if skinny.fits_fp8_skinny(a, b) and fp8_launch.prefers_fp8_skinny("block", m, n, k):
         return skinny.fp8_block_skinny_gemm(a, b, scale_a, scale_b, out_dtype)
     return block_scaled_mm_cutlass(a, b, scale_a, scale_b, out_dtype)
 

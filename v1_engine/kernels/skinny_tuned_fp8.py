@@ -1,7 +1,8 @@
-"""The FP8 skinny GEMMs' measured launch tables (kernels/triton_gemv_fp8.py), per kind: data,
-kept apart from the kernels as kernels/skinny_tuned.py is for bf16. `python
-benchmarks/sweep_skinny_gemm.py --fp8 KIND` prints a kind's table with the swept entries
-replaced (`--json F` writes them for `latency.py --gemm-tables`); paste it here."""
+"""The FP8 skinny GEMMs' measured launch tables (kernels/triton_gemv_fp8.py; read by the launch
+rules of kernels/fp8_launch.py), per kind: data, kept apart from the kernels as
+kernels/skinny_tuned.py is for bf16. `python benchmarks/sweep_skinny_gemm.py --fp8 KIND` prints
+a kind's table with the swept entries replaced (`--json F` writes them for `latency.py
+--gemm-tables`); paste it here."""
 
 from __future__ import annotations
 

@@ -30,6 +30,8 @@ SASS: 0.03-0.04 warp instructions a weight byte, against dot_swap's 0.06-0.08 an
 Nothing changes until a shape is measured: the ops keep CUTLASS for every shape without an entry
 in FP8_TUNED_LAUNCH (`benchmarks/sweep_skinny_gemm.py --fp8 channel|block` prints the entries),
 and V1ENGINE_SKINNY_GEMM=0 (triton_gemv.SKINNY_GEMM_ENABLED) keeps them on CUTLASS everywhere.
+kernels/fp8_launch.py holds the launch rules: a shape's config from the table or a default, the
+validation of launch overrides, and that dispatch rule (`prefers_fp8_skinny`).
 """
 
 from __future__ import annotations
@@ -39,35 +41,9 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels import interpreting, triton_gemv
+from v1_engine.kernels.fp8_launch import DECODE_KINDS, SCALE_GROUP, resolve_fp8_launch
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
-from v1_engine.kernels.skinny_tuned_fp8 import FP8_TUNED_LAUNCH
-from v1_engine.kernels.triton_gemv import _dot, _split_arrive, _split_sum, m_bucket
-
-KINDS = ("channel", "block", "weight_only", "gated", "norm", "norm_gated")
-KIND_MODES = {
-    "channel": ("dot_swap", "wgmma", "fma"),
-    "block": ("dot_swap", "wgmma", "fma"),
-    "weight_only": ("fma",),
-    "gated": ("fma", "wgmma"),
-    "norm": ("fma",),
-    "norm_gated": ("fma",),
-}
-"""Bodies each FP8 kernel has (see the module docstring): triton_gemv.MODES' "dot_swap" and
-"fma" (only for M <= triton_gemv.FMA_MAX_M, as in the bf16 kernel), and "wgmma", FP8's own:
-dot_swap on the e4m3 tiles as loaded (block_n a multiple of WGMMA_ROWS)."""
-WGMMA_ROWS = 64
-"""Weight rows of one warpgroup's FP8 MMA: the "wgmma" body's block_n is a multiple (Triton
-lowers smaller tiles to mma.sync, which has no e4m3 form on sm_90)."""
-WGMMA_PROMOTE_K = 128
-"""K extent the "wgmma" body accumulates in the tensor core before adding to float32 (the
-kernel's literal max_num_imprecise_acc): its block_k is a multiple."""
-DECODE_KINDS = ("weight_only", "gated", "norm", "norm_gated")
-"""The kinds of kernels/triton_gemv_fp8_decode.py (the fma body, the gated kind also wgmma;
-never split), which shares this module's table and launch rules. "norm" / "norm_gated" are
-weight_only / gated (on a bf16 activation) with the residual add and RMSNorm before them folded
-in."""
-SCALE_GROUP = 128
-"""K (and N) extent of one block scale; the block kind's K step is exactly one group."""
+from v1_engine.kernels.triton_gemv import _dot, _split_arrive, _split_sum
 
 FP8_DTYPE = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -81,14 +57,15 @@ def _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32: tl.constexpr,
     e4m3 tiles as loaded, which sm_90 multiplies in FP8 warpgroup MMAs (QGMMA) with no
     conversion; its partial sums are added in float32 every 128 of K (max_num_imprecise_acc:
     the tensor core's reduced-precision accumulation covers 128 products at most, as DeepSeek-V3
-    promotes them; block_k is a multiple, see WGMMA_PROMOTE_K). float32 under the interpreter. The weight streams through once (evict first); the activations are reread by
+    promotes them; block_k is a multiple, see fp8_launch.WGMMA_PROMOTE_K). float32 under the
+    interpreter. The weight streams through once (evict first); the activations are reread by
     every program."""
     b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_first")
     a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_last")
     if DOT_F32:
         return _dot(b.to(tl.float32), tl.trans(a.to(tl.float32)), DOT_F32)
     if NATIVE:
-        return tl.dot(b, tl.trans(a), max_num_imprecise_acc=128)  # WGMMA_PROMOTE_K
+        return tl.dot(b, tl.trans(a), max_num_imprecise_acc=128)  # fp8_launch.WGMMA_PROMOTE_K
     return _dot(b.to(tl.float16), tl.trans(a.to(tl.float16)), DOT_F32)
 
 
@@ -352,93 +329,6 @@ def _fp8_block_skinny_kernel(
             tl.atomic_xchg(arrivals_ptr + tile, 0)
     else:
         _store_rows(out_ptr, result, offs_m, offs_n, m_mask, n_mask, stride_om)
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-
-
-def default_fp8_launch(kind: str, m: int, n: int, k: int) -> dict[str, int | str]:
-    """Launch config for shapes the sweep has not measured (explicit calls only; the ops keep
-    CUTLASS there): the bf16 default's column tiles, with a K step of as many bytes (512 e4m3
-    values) for the channel kind and one scale group for the block kind."""
-    _check_kind(kind)
-    if kind in DECODE_KINDS:
-        # The bf16 kernel's M = 1 fma launches in as many bytes a K step; the K step shrinks as
-        # M grows, so the float32 accumulator stays at 32 registers a thread.
-        block_n = 2 if kind in ("gated", "norm_gated") else 4
-        block_k = max(128, 1024 // m_bucket(m))
-        return {"mode": "fma", "block_n": block_n, "block_k": block_k, "num_warps": 4,
-                "num_stages": 4, "split_k": 1}  # fmt: skip
-    config = triton_gemv.default_launch(m, n, k) | {"mode": "dot_swap", "block_n": 32}
-    if kind == "channel":
-        return config | {"block_k": 512}
-    return config | {"block_k": SCALE_GROUP, "num_stages": 6}
-
-
-def fp8_launch_config(kind: str, m: int, n: int, k: int) -> dict[str, int | str]:
-    """The launch config of an M x N x K FP8 skinny GEMM: FP8_TUNED_LAUNCH's entry, else the
-    default."""
-    _check_kind(kind)
-    tuned = FP8_TUNED_LAUNCH[kind].get((m_bucket(m), n, k))
-    return dict(tuned or default_fp8_launch(kind, m, n, k))
-
-
-def resolve_fp8_launch(
-    kind: str, m: int, n: int, k: int, launch: dict[str, int | str]
-) -> dict[str, int | str]:
-    """`fp8_launch_config` with the `launch` overrides applied; raises ValueError naming a key
-    that is unknown or out of range (triton_gemv's rules, plus block_k == 128 and
-    block_n <= 128 for the block kind, and for the wgmma body block_n a multiple of 64 and
-    block_k of 128)."""
-    config = fp8_launch_config(kind, m, n, k) | launch
-    mode = config["mode"]
-    # A complete config overrides every key of triton_gemv's own default, so this only checks
-    # (the wgmma body under dot_swap's rules: it is dot_swap on e4m3 operands).
-    checked = config | {"mode": "dot_swap"} if mode == "wgmma" else config
-    config = triton_gemv.resolve_launch(m, n, k, checked) | {"mode": mode}
-    if config["mode"] not in KIND_MODES[kind]:
-        raise ValueError(
-            f"launch mode must be one of {KIND_MODES[kind]} for the FP8 {kind} kernel, got "
-            f"{config['mode']!r}"
-        )
-    if mode == "wgmma" and config["block_n"] % WGMMA_ROWS:
-        raise ValueError(
-            f"launch block_n must be a multiple of {WGMMA_ROWS} in mode 'wgmma' (one FP8 "
-            f"warpgroup MMA's rows), got {config['block_n']!r}"
-        )
-    if mode == "wgmma" and config["block_k"] % WGMMA_PROMOTE_K:
-        raise ValueError(
-            f"launch block_k must be a multiple of {WGMMA_PROMOTE_K} in mode 'wgmma' (its "
-            f"float32 promotion interval), got {config['block_k']!r}"
-        )
-    if kind in DECODE_KINDS and config["split_k"] != 1:
-        raise ValueError(f"launch split_k must be 1 for the {kind} kind, got {config['split_k']!r}")
-    if kind == "block":
-        if config["block_k"] != SCALE_GROUP:
-            raise ValueError(
-                f"launch block_k must be {SCALE_GROUP} (one scale group) for the block kind, "
-                f"got {config['block_k']!r}"
-            )
-        if config["block_n"] > SCALE_GROUP:
-            raise ValueError(
-                f"launch block_n must be <= {SCALE_GROUP} for the block kind (one weight scale "
-                f"per tile), got {config['block_n']!r}"
-            )
-    return config
-
-
-def prefers_fp8_skinny(kind: str, m: int, n: int, k: int) -> bool:
-    """True only where the skinny GEMMs are enabled (V1ENGINE_SKINNY_GEMM) and FP8_TUNED_LAUNCH
-    holds a measured config for the shape (for the decode kinds, only up to the fma body's
-    triton_gemv.FMA_MAX_M rows): every other shape stays on CUTLASS."""
-    _check_kind(kind)
-    if not triton_gemv.SKINNY_GEMM_ENABLED:
-        return False
-    if kind in DECODE_KINDS and m_bucket(m) > triton_gemv.FMA_MAX_M:  # the fma body only
-        return False
-    return FP8_TUNED_LAUNCH[kind].get((m_bucket(m), n, k)) is not None
 
 
 def fits_fp8_skinny(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

@@ -1,7 +1,7 @@
-"""The FP8 decode kinds of the skinny GEMMs (kernels/triton_gemv_fp8.py, whose launch table,
-launch rules and fma / wgmma helpers they share): kernels for decode-sized M (the fma body, M <=
-triton_gemv.FMA_MAX_M) that skip an activation quant kernel. Program n owns BLOCK_N output
-columns over all of K, never split.
+"""The FP8 decode kinds of the skinny GEMMs (kernels/triton_gemv_fp8.py, whose fma / wgmma
+helpers they share, as they share the launch table and rules of kernels/fp8_launch.py): kernels
+for decode-sized M (the fma body, M <= triton_gemv.FMA_MAX_M) that skip an activation quant
+kernel. Program n owns BLOCK_N output columns over all of K, never split.
 
 - "weight_only" (`fp8_weight_only_gemm`): a bf16/fp16 activation times an e4m3 weight with
   per-channel scales, the activation not quantized (the ops of compile/passes/fp8_linear_ops.py
@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels import interpreting
+from v1_engine.kernels.fp8_launch import resolve_fp8_launch
 from v1_engine.kernels.pdl import pdl_release, pdl_wait
 from v1_engine.kernels.triton_fused_quant import _round_to
 from v1_engine.kernels.triton_gemv import _silu_mul
@@ -32,7 +33,6 @@ from v1_engine.kernels.triton_gemv_fp8 import (
     _store_rows,
     _swapped_dot,
     _vector_stride,
-    resolve_fp8_launch,
 )
 
 
