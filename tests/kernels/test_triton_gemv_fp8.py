@@ -82,12 +82,26 @@ def block_operands(m: int, n: int, k: int, seed: int, device: str = "cpu"):
     return tuple(t.to(device) for t in (a, b, scale_a, scale_b))
 
 
-def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """Equal up to one rounding to the 16-bit output (and the float32 sums' few-ulp spread)."""
+WGMMA_ACCUMULATION = 2.0**-11
+"""The "wgmma" body's absolute error bound, relative to the output's largest magnitude. The FP8
+warpgroup MMA sums each 128-deep step's products in the tensor core's own accumulator, which
+keeps fewer mantissa bits than float32, before the kernel adds the step in float32 (as
+DeepSeek-V3's FP8 GEMMs promote every 128 of K). On an H100 that came to about 2^-13 of the
+output's scale at K = 14336, 7x the fp16 bound below (benchmarks/RESULTS.md, "wgmma body
+tolerance"); this bound is four times that. A wrong tile, mask or scale is off by the output's
+own magnitude."""
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, mode: str = "") -> None:
+    """Equal up to one rounding to the 16-bit output (and the float32 sums' few-ulp spread); the
+    "wgmma" body's outputs within WGMMA_ACCUMULATION of the output's scale."""
     assert out.dtype == ref.dtype and out.shape == ref.shape
     ulp = ULP[out.dtype]
     scale = ref.float().abs().amax().item()
-    torch.testing.assert_close(out.float(), ref.float(), rtol=ulp, atol=ulp * scale / 64)
+    atol = ulp * scale / 64
+    if mode == "wgmma":
+        atol = max(atol, WGMMA_ACCUMULATION * scale)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=ulp, atol=atol)
 
 
 def body_cases(kind: str, ms: list[int]) -> list[tuple[str, int]]:
@@ -430,7 +444,7 @@ def test_channel_llama3_shapes_gpu(name, m, mode):
     launch = {"mode": mode, "block_n": block_n, "block_k": 256 if mode == "wgmma" else 512}
     out = skinny.fp8_skinny_gemm(a, b, scale_a, scale_b, torch.bfloat16, bias, **launch)
     ref = fp8.scaled_mm_ref(a, b, scale_a, scale_b, torch.bfloat16, bias)
-    assert_matches(out, ref)
+    assert_matches(out, ref, mode)
     cutlass_is_no_closer(out, fp8.scaled_mm(a, b, scale_a, scale_b, torch.bfloat16, bias), ref)
 
 
@@ -445,7 +459,7 @@ def test_block_llama3_shapes_gpu(name, m, mode):
     launch = {"mode": mode, "block_n": 32 // triton_gemv.m_bucket(m) if mode == "fma" else 64}
     out = skinny.fp8_block_skinny_gemm(a, b, scale_a, scale_b, torch.float16, **launch)
     ref = fp8.block_scaled_mm_ref(a, b, scale_a, scale_b, torch.float16)
-    assert_matches(out, ref)
+    assert_matches(out, ref, mode)
     cutlass_is_no_closer(out, fp8.block_scaled_mm(a, b, scale_a, scale_b, torch.float16), ref)
 
 
@@ -475,7 +489,7 @@ def test_split_k_llama3_shapes_gpu(mode, kind, name, m, split):
         args = (a, b, scale_a, scale_b, torch.bfloat16)
         kernel, ref = skinny.fp8_block_skinny_gemm, fp8.block_scaled_mm_ref(*args)
     out = kernel(*args, **launch)
-    assert_matches(out, ref)
+    assert_matches(out, ref, mode)
     assert torch.equal(kernel(*args, **launch), out)
     torch.cuda.synchronize()
     assert not semaphores._SEMAPHORES[a.device].any()
@@ -491,7 +505,7 @@ def test_channel_ragged_shape_every_granularity_gpu(granularity, mode):
     a = strided_rows(a)
     launch = {"mode": mode, "block_n": 8 if mode == "fma" else 64, "block_k": 256}
     out = skinny.fp8_skinny_gemm(a, b, scale_a, scale_b, torch.float16, **launch)
-    assert_matches(out, fp8.scaled_mm_ref(a, b, scale_a, scale_b, torch.float16))
+    assert_matches(out, fp8.scaled_mm_ref(a, b, scale_a, scale_b, torch.float16), mode)
 
 
 @pytest.mark.gpu
