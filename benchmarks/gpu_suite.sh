@@ -15,7 +15,8 @@
 # file (GEMM_TABLES, default $LOG_DIR/fp8_decode.json); `fp8ab` FP8 batch-1 decode without and
 # with that file (and with the opt-in decode passes), alternating, and the per-shape FP8 GEMM
 # table at M = 1 without and with it (bring the file back as GEMM_TABLES); `fp8goal` bf16 and
-# FP8 batch 1 (also with the FP8 LM head and fp8_dynamic_linear), each in GOAL_PROCS processes.
+# FP8 batch 1 (also with fp8_dynamic_linear, and with the FP8 LM head), each in GOAL_PROCS
+# processes.
 # `modes` profiles batch 1 (bf16, FP8, FP8 + fp8_dynamic_linear) in GOAL_PROCS rounds, one process
 # each, for the per-process slow mode: a slow process whose kernel sum stays is waiting on the
 # host. `mergeab` times decode at batch 4 / 8 with long contexts with the split-KV merge in the
@@ -184,15 +185,15 @@ if [[ " $STAGES " == *" fp8goal "* ]]; then
   # times"): compare the rounds, not single runs.
   one="--batch-sizes 1 --prefill-lens '' --decode-steps 64 --repeats 2"
   for round in $(seq "${GOAL_PROCS:-2}"); do
-    for variant in "" "--quantization fp8" "--quantization fp8 --quantize-lm-head" \
-                   "--quantization fp8 --quantize-lm-head --add-fusion-passes fp8_dynamic_linear"; do
+    for variant in "" "--quantization fp8" "--quantization fp8 --add-fusion-passes fp8_dynamic_linear" \
+                   "--quantization fp8 --quantize-lm-head"; do
       echo "### round $round: ${variant:-bf16}" | tee -a "$LOG_DIR/fp8goal.log"
       eval python3 benchmarks/latency.py --model "$MODEL" "$one" "$variant" 2>&1 \
         | tee -a "$LOG_DIR/fp8goal.log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     done
   done
-  { echo; echo "## fp8 batch-1 goal (bf16, FP8, + FP8 head, + fp8_dynamic_linear; by round)"
+  { echo; echo "## fp8 batch-1 goal (bf16, FP8, + fp8_dynamic_linear, + FP8 head; by round)"
     grep -E "^### round|^\| 1 " "$LOG_DIR/fp8goal.log"; } >> "$summary"
 fi
 if [[ " $STAGES " == *" modes "* ]]; then
