@@ -27,7 +27,13 @@ from __future__ import annotations
 
 import torch
 
-from compile.passes.fp8_linear_ops import fp8_gated_mlp_cuda, fp8_gated_mlp_ref
+from compile.passes.fp8_linear_ops import (
+    _decode,
+    _launch,
+    _skinny,
+    fp8_gated_mlp_cuda,
+    fp8_gated_mlp_ref,
+)
 from compile.passes.fused_quant_ops import add_rms_norm_quant_ref
 from v1_engine.kernels.fp8 import scaled_mm_ref
 
@@ -65,14 +71,6 @@ def fp8_add_norm_gated_mlp_ref(
     return out, summed
 
 
-def _kernels():
-    """The FP8 skinny modules (launch rules, kernels, decode kernels), imported on first CUDA use
-    so CPU imports never need triton."""
-    from v1_engine.kernels import fp8_launch, triton_gemv_fp8, triton_gemv_fp8_decode
-
-    return fp8_launch, triton_gemv_fp8, triton_gemv_fp8_decode
-
-
 def norm_kernel_fits(
     kind: str,
     x: torch.Tensor,
@@ -84,7 +82,7 @@ def norm_kernel_fits(
     """Whether the `kind` ("norm" / "norm_gated") kernel takes this call: x and residual 2-D in
     the output dtype with unit last strides, a contiguous norm weight of K values, the skinny
     kernels' operand layout, and an entry in the kind's table for x's M bucket."""
-    launch, skinny, _ = _kernels()
+    skinny = _skinny()
     return (
         x.dim() == 2
         and x.dtype == out_dtype
@@ -96,7 +94,7 @@ def norm_kernel_fits(
         and norm_weight.shape == (x.shape[1],)
         and norm_weight.is_contiguous()
         and skinny.triton_gemv.skinny_operands(x, weight)
-        and launch.prefers_fp8_skinny(kind, x.shape[0], weight.shape[0], x.shape[1])
+        and _launch().prefers_fp8_skinny(kind, x.shape[0], weight.shape[0], x.shape[1])
     )
 
 
@@ -121,7 +119,7 @@ def fp8_add_norm_linear_cuda(
 
     fits = norm_kernel_fits("norm", x, residual, norm_weight, weight, out_dtype)
     if fits and (bias is None or bias.dtype == out_dtype):
-        return _kernels()[2].fp8_add_norm_gemm(
+        return _decode().fp8_add_norm_gemm(
             x, residual, norm_weight, eps, weight, weight_scale, bias
         )
     q, scale, summed = _norm_quant_cuda(x, residual, norm_weight, eps)
@@ -143,15 +141,15 @@ def fp8_add_norm_gated_mlp_cuda(
     """The CUDA body of `v1_engine::fp8_add_norm_gated_mlp`: the "norm_gated" and "weight_only"
     kernels where both tables hold the shapes, else the norm-quant kernel and fp8_gated_mlp's
     body."""
-    launch, _, decode = _kernels()
     rows, inner = w_gate_up.shape[0], w_down.shape[1]
     if (
         act_dtype == out_dtype
         and rows == 2 * inner
         and w_down.is_contiguous()
         and norm_kernel_fits("norm_gated", x, residual, norm_weight, w_gate_up, out_dtype)
-        and launch.prefers_fp8_skinny("weight_only", x.shape[0], w_down.shape[0], inner)
+        and _launch().prefers_fp8_skinny("weight_only", x.shape[0], w_down.shape[0], inner)
     ):
+        decode = _decode()
         h, summed = decode.fp8_add_norm_gemm(
             x, residual, norm_weight, eps, w_gate_up, s_gate_up, gated=True
         )
