@@ -69,6 +69,11 @@ def compilation_config(
         passes = CompilationConfig().effective_fusion_passes("cuda")
     passes += [p for p in (add_fusion_passes or "").split(",") if p and p not in passes]
     dropped = {p for p in (drop_fusion_passes or "").split(",") if p}
+    if dropped - set(passes):  # else an A/B would time the same passes twice
+        raise ValueError(
+            f"--drop-fusion-passes names {sorted(dropped - set(passes))}, not in the passes run: "
+            f"{passes}"
+        )
     return {"level": level, "fusion_passes": [p for p in passes if p not in dropped]}
 
 

@@ -300,6 +300,8 @@ def test_latency_compilation_config_from_pass_options():
     assert added == {"level": 2, "fusion_passes": default + ["skinny_norm_linear"]}
     dropped = compilation_config(2, None, None, "fp8_norm_linear")
     assert dropped == {"level": 2, "fusion_passes": [p for p in default if p != "fp8_norm_linear"]}
+    with pytest.raises(ValueError, match="fp8_norm_lienar"):
+        compilation_config(2, None, None, "fp8_norm_lienar")
     assert compilation_config(1, "add_rms_norm,rope_kv_cache", None, "rope_kv_cache") == {
         "level": 1,
         "fusion_passes": ["add_rms_norm"],
