@@ -23,7 +23,6 @@ from v1_engine.kernels import triton_gemv
 from v1_engine.kernels.skinny_tuned_fp8 import FP8_TUNED_LAUNCH
 from v1_engine.kernels.triton_gemv import m_bucket
 
-KINDS = ("channel", "block", "weight_only", "gated", "norm", "norm_gated")
 KIND_MODES = {
     "channel": ("dot_swap", "wgmma", "fma"),
     "block": ("dot_swap", "wgmma", "fma"),
@@ -35,6 +34,7 @@ KIND_MODES = {
 """Bodies each FP8 kernel has (see kernels/triton_gemv_fp8.py's docstring): triton_gemv.MODES'
 "dot_swap" and "fma" (only for M <= triton_gemv.FMA_MAX_M, as in the bf16 kernel), and "wgmma",
 FP8's own: dot_swap on the e4m3 tiles as loaded (block_n a multiple of WGMMA_ROWS)."""
+KINDS = tuple(KIND_MODES)
 WGMMA_ROWS = 64
 """Weight rows of one warpgroup's FP8 MMA: the "wgmma" body's block_n is a multiple (Triton
 lowers smaller tiles to mma.sync, which has no e4m3 form on sm_90)."""
