@@ -212,16 +212,16 @@ _UNFUSED_SKINNY = ["add_rms_norm", "silu_and_mul", "rms_norm_fp8_quant", "silu_a
 
 @pytest.mark.gpu
 def test_epilogues_in_the_engine_match_unfused_gpu(tmp_path, default_tokenizer):
-    """A 2-layer model of Llama-3-8B's widths at -O2 with every pass but fused_mlp (the opt-in
-    norm epilogue too) against the same engine without the skinny passes: each decoder layer's gate_up + SiLU
-    and both residual norms fused, and the same greedy tokens with the same logprobs for a batch
-    of 3 (norm epilogue at 3 rows, prefill and decode) and alone (1 row)."""
+    """A 2-layer model of Llama-3-8B's widths at -O2 with every pass but fused_mlp and
+    skinny_norm_linear (the opt-in norm epilogue too; the norm fold would take the norms first)
+    against the same engine without the skinny passes: each decoder layer's gate_up + SiLU and
+    both residual norms fused, and the same greedy tokens with the same logprobs for a batch of 3
+    (norm epilogue at 3 rows, prefill and decode) and alone (1 row)."""
     from engine_ab import assert_same_greedy, greedy_runs, llama8b_widths_dir
 
     model_dir = llama8b_widths_dir(tmp_path, default_tokenizer)
-    (fused, fused_counts), (plain, plain_counts) = greedy_runs(
-        model_dir, [[p for p in FUSION_PASSES if p != "fused_mlp"], _UNFUSED_SKINNY]
-    )
+    passes = [p for p in FUSION_PASSES if p not in ("fused_mlp", "skinny_norm_linear")]
+    (fused, fused_counts), (plain, plain_counts) = greedy_runs(model_dir, [passes, _UNFUSED_SKINNY])
     names = ("skinny_silu_mul", "skinny_add_rms_norm")
     assert {k: fused_counts.get(k) for k in names} == {names[0]: 2, names[1]: 4}
     assert {k: plain_counts.get(k) for k in names} == {names[0]: None, names[1]: None}
