@@ -20,7 +20,7 @@ import torch
 from test_deepseek_vs_hf import TINY_VARIANTS, save_tiny_deepseek
 
 from v1_engine import LLM, SamplingParams
-from v1_engine.worker.model_runner import StepInputs
+from v1_engine.worker.step_inputs import StepInputs
 
 V2_GROUPED_NO_QLORA = {
     "model_type": "deepseek_v2",
