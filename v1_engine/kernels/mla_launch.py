@@ -4,11 +4,11 @@ benchmarks' roofline). Kept apart from the kernels, as skinny_tuned.py is from t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from v1_engine.kernels.attention_launch import check_paged_metadata
+from v1_engine.kernels.attention_launch import check_paged_metadata, target_programs
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -57,6 +57,72 @@ def choose_num_splits(
     if splits < 2:
         return 1
     return 1 << (splits.bit_length() - 1)
+
+
+@dataclass(frozen=True)
+class MlaLaunch:
+    """One step's launch: the config with the caller's overrides applied and checked, the
+    output's latent dims padded to a power of two, and the grid they give."""
+
+    config: LaunchConfig
+    rank_pad: int
+    num_head_tiles: int
+    num_v_slices: int
+    num_splits: int
+
+
+def resolve_launch(
+    num_heads: int,
+    rank: int,
+    block_size: int,
+    num_reqs: int,
+    max_seq_len: int,
+    dot_f32: bool,
+    device: torch.device,
+    num_splits: int | None = None,
+    **overrides: int | bool | None,
+) -> MlaLaunch:
+    """`launch_config`'s default for the shape with the `overrides` that are not None applied
+    (LaunchConfig's fields). Defaults that do not fit the shape fall back to the plain form
+    (block_v capped at the padded rank, page_tile dropped where the tile does not divide the
+    cache block); an override that does not fit raises ValueError naming it and what it allows.
+    `num_splits` None picks the split-KV factor from the programs and `max_seq_len`."""
+    default = launch_config(num_heads, dot_f32)
+    chosen = {key: value for key, value in overrides.items() if value is not None}
+    rank_pad = max(16, 1 << (rank - 1).bit_length())
+    tile = chosen.get("tile", default.tile)
+    chosen.setdefault("block_v", min(default.block_v or rank_pad, rank_pad))
+    chosen.setdefault("page_tile", default.page_tile and block_size % tile == 0)
+    config = replace(default, **chosen)
+    if config.block_h < 16 or config.block_h & (config.block_h - 1):
+        raise ValueError(f"block_h must be a power of two >= 16, got {config.block_h}")
+    if config.tile < 16 or config.tile & (config.tile - 1):
+        raise ValueError(f"tile must be a power of two >= 16, got {config.tile}")
+    block_v = config.block_v
+    if block_v < 16 or block_v & (block_v - 1) or block_v > rank_pad:
+        raise ValueError(
+            f"block_v must be a power of two in [16, {rank_pad}] (kv_lora_rank {rank} rounded "
+            f"up), got {block_v}"
+        )
+    if config.page_tile and block_size % config.tile:
+        raise ValueError(
+            f"page_tile needs tile ({config.tile}) to divide the cache block size ({block_size})"
+        )
+    num_head_tiles = -(-num_heads // config.block_h)
+    num_v_slices = rank_pad // block_v
+    if num_splits is None:
+        # A 16-head program's latent buffers take ~93 KB (two fit an SM), a 64-head one's
+        # ~220 KB (one does).
+        per_sm = 2 if config.block_h * config.tile <= 16 * 64 else 1
+        num_splits = choose_num_splits(
+            num_reqs * num_head_tiles * num_v_slices,
+            max_seq_len,
+            config.tile,
+            target_programs(device, per_sm),
+        )
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return MlaLaunch(config, rank_pad, num_head_tiles, num_v_slices, num_splits)
 
 
 def check_args(

@@ -51,7 +51,6 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels import interpreting
-from v1_engine.kernels.attention_launch import target_programs
 from v1_engine.kernels.mla_launch import (
     SUPPORTED_DTYPES,
     LaunchConfig,
@@ -59,6 +58,7 @@ from v1_engine.kernels.mla_launch import (
     choose_num_splits,
     launch_config,
     mla_decode_bytes,
+    resolve_launch,
 )
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
@@ -493,44 +493,25 @@ def mla_decode(
     if q_nope.shape[0] == 0 or num_reqs == 0:
         return
     dot_f32 = q_nope.dtype == torch.float32 or (interpreting() and q_nope.dtype == torch.bfloat16)
-    default = launch_config(num_heads, dot_f32)
-    block_h = default.block_h if block_h is None else block_h
-    tile = default.tile if tile is None else tile
-    num_warps = default.num_warps if num_warps is None else num_warps
-    num_stages = default.num_stages if num_stages is None else num_stages
-    swap = default.swap if swap is None else swap
-    rank_pad = max(16, triton.next_power_of_2(rank))
-    # Defaults that do not fit this shape fall back to the plain form; overrides must fit.
-    if block_v is None:
-        block_v = min(default.block_v or rank_pad, rank_pad)
-    if page_tile is None:
-        page_tile = default.page_tile and kv_cache.shape[1] % tile == 0
-    if block_h < 16 or block_h & (block_h - 1):
-        raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
-    if tile < 16 or tile & (tile - 1):
-        raise ValueError(f"tile must be a power of two >= 16, got {tile}")
-    if block_v < 16 or block_v & (block_v - 1) or block_v > rank_pad:
-        raise ValueError(
-            f"block_v must be a power of two in [16, {rank_pad}] (kv_lora_rank {rank} rounded "
-            f"up), got {block_v}"
-        )
-    if page_tile and kv_cache.shape[1] % tile:
-        raise ValueError(
-            f"page_tile needs tile ({tile}) to divide the cache block size ({kv_cache.shape[1]})"
-        )
-    num_head_tiles = triton.cdiv(num_heads, block_h)
-    num_v_slices = rank_pad // block_v
-    if num_splits is None:
-        num_splits = choose_num_splits(
-            num_reqs * num_head_tiles * num_v_slices,
-            max_seq_len,
-            tile,
-            # A 16-head program's latent buffers take ~93 KB (two fit an SM), a 64-head one's
-            # ~220 KB (one does).
-            target_programs(q_nope.device, 2 if block_h * tile <= 16 * 64 else 1),
-        )
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    plan = resolve_launch(
+        num_heads,
+        rank,
+        kv_cache.shape[1],
+        num_reqs,
+        max_seq_len,
+        dot_f32,
+        q_nope.device,
+        num_splits,
+        block_h=block_h,
+        tile=tile,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        swap=swap,
+        block_v=block_v,
+        page_tile=page_tile,
+    )
+    config, rank_pad, num_splits = plan.config, plan.rank_pad, plan.num_splits
+    num_head_tiles, num_v_slices = plan.num_head_tiles, plan.num_v_slices
     use_splits = num_splits > 1
     if use_splits:
         part_out = torch.empty(
@@ -570,17 +551,17 @@ def mla_decode(
         RANK_PAD=rank_pad,
         ROPE_PAD=max(16, triton.next_power_of_2(rope)),
         BLOCK_SIZE=kv_cache.shape[1],
-        BLOCK_H=block_h,
-        TILE=tile,
-        BLOCK_V=block_v,
-        SWAP=bool(swap),
-        PAGE_TILE=bool(page_tile),
+        BLOCK_H=config.block_h,
+        TILE=config.tile,
+        BLOCK_V=config.block_v,
+        SWAP=bool(config.swap),
+        PAGE_TILE=bool(config.page_tile),
         USE_SPLITS=use_splits,
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         DOT_F32=dot_f32,
         DOT_PRECISION="ieee" if dot_f32 else "tf32",
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
         **({"maxnreg": maxnreg} if maxnreg is not None and not interpreting() else {}),
         **launch_options(q_nope.device),
     )
