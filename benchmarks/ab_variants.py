@@ -13,7 +13,7 @@ table rows (lines starting "| ") are printed under the variant's name.
 with variants.json, e.g.:
 
     [["base", []],
-     ["3 stages", [["v1_engine/kernels/triton_attention.py", "num_stages = 2", "num_stages = 3"]]],
+     ["3 stages", [["v1_engine/kernels/attention_launch.py", "num_stages = 2", "num_stages = 3"]]],
      ["base", []]]
 
 A patch of two strings, [path, text], replaces the whole file (creating it if absent; restored

@@ -8,6 +8,8 @@ unwritten element fails the comparison.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from v1_engine.attention.cpu import CPUAttentionBackend, causal_attention, gathe
 from v1_engine.attention.selector import get_attn_backend
 from v1_engine.attention.triton_attn import TritonAttentionBackend
 from v1_engine.kernels import triton_attention as ta
+from v1_engine.kernels.attention_launch import SPLIT_DECODE_TILE, AttentionLaunch, plan_launch
 from v1_engine.kernels.semaphores import split_semaphores
 
 _CUDA = torch.cuda.is_available()
@@ -283,6 +286,79 @@ def test_split_decode_tile():
     assert ta.split_decode_tile(64, 1, 512, 264) == 64
     assert ta.split_decode_tile(64, 512, 8, 264) == 64
     assert ta.split_decode_tile(16, 1, 8, 264) == 16
+
+
+def plan(max_query_len=1, num_tokens=1, num_reqs=1, max_seq_len=32768, target=264,
+         num_splits=None, launch=None):  # fmt: skip
+    """`plan_launch` for bf16 Llama-3-8B heads (32 over 8 kv heads: group 4, head 128) on a
+    device of `target` programs (264: two a SM of the H200)."""
+    return plan_launch(torch.bfloat16, num_tokens, num_reqs, 8, 4, 128, max_query_len,
+                       max_seq_len, target, num_splits, launch)  # fmt: skip
+
+
+def test_plan_launch_decode_splits_on_a_narrow_tile():
+    # Batch 1: one q-block of 4 tokens x 4 heads (16 rows), 8 programs: 32 splits of 32-row
+    # tiles, more than FUSED_MERGE_MAX_SPLITS, so the second kernel merges them.
+    assert plan() == AttentionLaunch(block_m=16, block_q=4, tile=SPLIT_DECODE_TILE, num_warps=4,
+                                     num_stages=2, num_q_blocks=1, num_splits=32,
+                                     fused_merge=False, options={})  # fmt: skip
+    # Batch 4 at 4k: 32 programs, 8 splits, merged in the launch.
+    batch4 = plan(num_tokens=4, num_reqs=4, max_seq_len=4096)
+    assert (batch4.num_q_blocks, batch4.tile, batch4.num_splits) == (5, SPLIT_DECODE_TILE, 8)
+    assert batch4.num_splits == ta.FUSED_MERGE_MAX_SPLITS and batch4.fused_merge
+    # 8 query tokens of one request: 2 q-blocks hold them (the grid's 3 is a bound): 16 programs.
+    multi = plan(max_query_len=8, num_tokens=8)
+    assert (multi.num_q_blocks, multi.tile, multi.num_splits) == (3, SPLIT_DECODE_TILE, 16)
+    # The 8 programs fill the CPU's token target (what paged_attention passes there).
+    assert ta.target_programs(torch.device("cpu")) == 8
+    cpu = plan(target=8)
+    assert (cpu.tile, cpu.num_splits, cpu.fused_merge) == (64, 1, False)
+
+
+def test_plan_launch_prefill_does_not_split():
+    # 512 prefill tokens and 3 decodes: 64-row tiles of 16 tokens, 515 // 16 + 4 q-blocks.
+    assert plan(max_query_len=512, num_tokens=515, num_reqs=4) == AttentionLaunch(
+        block_m=64, block_q=16, tile=64, num_warps=4, num_stages=2, num_q_blocks=36,
+        num_splits=1, fused_merge=False, options={},
+    )  # fmt: skip
+    just_past_decode = plan(max_query_len=17, num_tokens=17)
+    assert (just_past_decode.tile, just_past_decode.num_splits) == (64, 1)
+
+
+def test_plan_launch_overrides_win(monkeypatch):
+    # block_m is floored at the padded group (4), a set tile is not narrowed for the split.
+    launch = {"block_m": 2, "tile": 128, "num_warps": 8, "num_stages": 3}
+    assert plan(launch=launch) == AttentionLaunch(block_m=4, block_q=1, tile=128, num_warps=8,
+                                                  num_stages=3, num_q_blocks=2, num_splits=32,
+                                                  fused_merge=False, options={})  # fmt: skip
+    wide = plan(launch={"block_m": 64})
+    assert (wide.block_m, wide.block_q, wide.tile) == (64, 16, SPLIT_DECODE_TILE)
+    # maxnreg reaches the compiler's options, except under the interpreter.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert plan(launch={"maxnreg": 64}).options == {"maxnreg": 64}
+    assert plan(launch={"maxnreg": None}).options == {}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert plan(launch={"maxnreg": 64}).options == {}
+
+
+def test_plan_launch_forced_splits_and_merge():
+    # A forced split count keeps the default tile; where the pieces merge follows the count up
+    # to FUSED_MERGE_MAX_SPLITS, or the fused_merge override; one piece never merges.
+    forced = plan(num_splits=4)
+    assert (forced.tile, forced.num_splits, forced.fused_merge) == (64, 4, True)
+    top = ta.FUSED_MERGE_MAX_SPLITS
+    assert plan(num_splits=top).fused_merge and not plan(num_splits=2 * top).fused_merge
+    assert plan(num_splits=2 * top, launch={"fused_merge": 1}).fused_merge
+    assert not plan(num_splits=4, launch={"fused_merge": 0}).fused_merge
+    assert not plan(num_splits=1, launch={"fused_merge": 1}).fused_merge
+
+
+def test_plan_launch_rejects_bad_arguments():
+    message = f"launch keys must be among {ta.LAUNCH_KEYS}; got ['warps']"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan(launch={"warps": 4, "tile": 32})
+    with pytest.raises(ValueError, match="num_splits must be >= 1, got 0"):
+        plan(num_splits=0)
 
 
 def test_selector_env_override(monkeypatch):

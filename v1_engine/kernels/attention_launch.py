@@ -1,12 +1,16 @@
 """Paged attention's host side (kernels/triton_attention.py): the launch decisions (split-KV
-factor, tile and warps per step shape), the argument checks, and the FLOP count benchmarks use.
-Plain python over ints and tensor metadata; nothing here launches or reads a device tensor."""
+factor, tile and warps per step shape, the `launch` overrides; `plan_launch` makes them all for
+a step), the argument checks, and the FLOP count benchmarks use. Plain python over ints and
+tensor metadata; nothing here launches or reads a device tensor."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
+
+from v1_engine.kernels import interpreting
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_CACHE_DTYPE = torch.float8_e4m3fn
@@ -97,6 +101,84 @@ def fused_merge_for(num_splits: int, launch: dict[str, int] | None) -> bool:
 
 LAUNCH_KEYS = ("block_m", "tile", "num_warps", "num_stages", "maxnreg", "fused_merge")
 """Keys `paged_attention`'s `launch` may override."""
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """How `paged_attention` launches a step (`plan_launch`)."""
+
+    block_m: int
+    """Rows of a program's tile: BLOCK_Q tokens x the padded GQA group."""
+    block_q: int
+    """Query tokens a program owns (a q-block)."""
+    tile: int
+    """Keys per loop step."""
+    num_warps: int
+    num_stages: int
+    num_q_blocks: int
+    """The grid's first dimension: an upper bound on the step's q-blocks."""
+    num_splits: int
+    """Split-KV pieces of each q-block's key range (1 = no split)."""
+    fused_merge: bool
+    """Whether the split pieces merge in the launch (False without a split)."""
+    options: dict[str, int] = field(default_factory=dict)
+    """Further compiler options of the launch (maxnreg)."""
+
+
+def plan_launch(
+    dtype: torch.dtype,
+    num_tokens: int,
+    num_reqs: int,
+    num_kv_heads: int,
+    group_pad: int,
+    head_pad: int,
+    max_query_len: int,
+    max_seq_len: int,
+    target_programs: int,
+    num_splits: int | None = None,
+    launch: dict[str, int] | None = None,
+) -> AttentionLaunch:
+    """The launch of one `paged_attention` step: `launch_config`'s defaults and 2 stages, with
+    `launch`'s overrides (LAUNCH_KEYS; block_m is at least the padded group; maxnreg is dropped
+    under the interpreter); the split-KV factor `num_splits`, or where None the heuristic's for
+    `target_programs` (with a decode step's narrower key tile unless `launch` sets the tile).
+    ValueError for an unknown launch key or num_splits < 1."""
+    block_m, tile, num_warps = launch_config(dtype, head_pad, group_pad, max_query_len)
+    num_stages = 2
+    options = {}
+    if launch:
+        unknown = set(launch) - set(LAUNCH_KEYS)
+        if unknown:
+            raise ValueError(f"launch keys must be among {LAUNCH_KEYS}; got {sorted(unknown)}")
+        block_m = max(launch.get("block_m", block_m), group_pad)
+        tile = launch.get("tile", tile)
+        num_warps = launch.get("num_warps", num_warps)
+        num_stages = launch.get("num_stages", num_stages)
+        if launch.get("maxnreg") is not None and not interpreting():
+            options["maxnreg"] = launch["maxnreg"]
+    block_q = block_m // group_pad
+    num_q_blocks = num_tokens // block_q + num_reqs
+    if num_splits is None:
+        useful_programs = min(num_q_blocks, num_reqs * -(-max_query_len // block_q)) * num_kv_heads
+        if not (launch and "tile" in launch):
+            tile = split_decode_tile(tile, max_query_len, useful_programs, target_programs)
+        num_splits = choose_num_splits(
+            useful_programs, max_query_len, max_seq_len, tile, target_programs
+        )
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    fused_merge = num_splits > 1 and fused_merge_for(num_splits, launch)
+    return AttentionLaunch(
+        block_m=block_m,
+        block_q=block_q,
+        tile=tile,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        num_q_blocks=num_q_blocks,
+        num_splits=num_splits,
+        fused_merge=fused_merge,
+        options=options,
+    )
 
 
 def check_args(

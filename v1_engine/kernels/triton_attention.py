@@ -54,6 +54,7 @@ from v1_engine.kernels.attention_launch import (  # noqa: F401 - re-exported
     choose_num_splits,
     fused_merge_for,
     launch_config,
+    plan_launch,
     split_decode_tile,
     target_programs,
 )
@@ -411,6 +412,26 @@ def _paged_attention_kernel(
         tl.store(out_rows, result.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
+def _rope_arguments(
+    rope: tuple | None,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+) -> tuple[tuple, tuple[int, ...], bool]:
+    """The kernel's rope arguments from `paged_attention`'s `rope` (checked): the (key, value,
+    positions, cos, sin, slot_mapping) tensors, the key's and value's (token, head) strides,
+    and is_neox; without rope, stand-ins the kernel never reads."""
+    if rope is None:
+        return (query, query, seq_lens, query, query, seq_lens), (0, 0, 0, 0), False
+    key, value, positions, cos_cache, sin_cache, is_neox, slot_mapping = rope
+    check_rope_decode_args(positions, query, key, value, cos_cache, sin_cache, kv_cache,
+                           slot_mapping, max_query_len)  # fmt: skip
+    rope_args = (key, value, positions, cos_cache, sin_cache, slot_mapping)
+    rope_strides = (key.stride(0), key.stride(1), value.stride(0), value.stride(1))
+    return rope_args, rope_strides, bool(is_neox)
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -447,19 +468,11 @@ def paged_attention(
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[3]
-    block_size = kv_cache.shape[2]
     check_args(query, kv_cache, block_table, seq_lens, query_start_loc, output)
+    rope_args, rope_strides, is_neox = _rope_arguments(
+        rope, query, kv_cache, seq_lens, max_query_len
+    )
     kv_fp8 = kv_cache.dtype == FP8_CACHE_DTYPE
-    if rope is not None:
-        key, value, positions, cos_cache, sin_cache, is_neox, slot_mapping = rope
-        check_rope_decode_args(positions, query, key, value, cos_cache, sin_cache, kv_cache,
-                               slot_mapping, max_query_len)  # fmt: skip
-        rope_args = (key, value, positions, cos_cache, sin_cache, slot_mapping)
-        rope_strides = (key.stride(0), key.stride(1), value.stride(0), value.stride(1))
-    else:
-        is_neox = False
-        rope_args = (query, query, seq_lens, query, query, seq_lens)  # never read
-        rope_strides = (0, 0, 0, 0)
     if kv_fp8:
         check_fp8_scales(k_scale, v_scale, kv_cache.device)
     else:
@@ -472,96 +485,35 @@ def paged_attention(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_pad = max(16, triton.next_power_of_2(head_size))
-    block_m, tile, num_warps = launch_config(query.dtype, head_pad, group_pad, max_query_len)
-    num_stages = 2
-    options = {}
-    if launch:
-        unknown = set(launch) - set(LAUNCH_KEYS)
-        if unknown:
-            raise ValueError(f"launch keys must be among {LAUNCH_KEYS}; got {sorted(unknown)}")
-        block_m = max(launch.get("block_m", block_m), group_pad)
-        tile = launch.get("tile", tile)
-        num_warps = launch.get("num_warps", num_warps)
-        num_stages = launch.get("num_stages", num_stages)
-        if launch.get("maxnreg") is not None and not interpreting():
-            options["maxnreg"] = launch["maxnreg"]
-    block_q = block_m // group_pad
-    num_q_blocks = num_tokens // block_q + num_reqs
-    if num_splits is None:
-        useful_programs = min(num_q_blocks, num_reqs * -(-max_query_len // block_q)) * num_kv_heads
-        target = target_programs(query.device)
-        if not (launch and "tile" in launch):
-            tile = split_decode_tile(tile, max_query_len, useful_programs, target)
-        num_splits = choose_num_splits(useful_programs, max_query_len, max_seq_len, tile, target)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    use_splits = num_splits > 1
+    plan = plan_launch(query.dtype, num_tokens, num_reqs, num_kv_heads, group_pad, head_pad,
+                       max_query_len, max_seq_len, target_programs(query.device), num_splits,
+                       launch)  # fmt: skip
+    use_splits = plan.num_splits > 1
+    part_out = part_max = part_sum = arrivals = output  # unused by the kernel without splits
     if use_splits:
-        part_out = torch.empty(
-            (num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=query.device
-        )
-        part_max = torch.empty(
-            (num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
-        )
+        part_out = torch.empty((num_tokens, num_heads, plan.num_splits, head_pad),
+                               dtype=torch.float32, device=query.device)  # fmt: skip
+        part_max = torch.empty(part_out.shape[:3], dtype=torch.float32, device=query.device)
         part_sum = torch.empty_like(part_max)
-        fused_merge = fused_merge_for(num_splits, launch)
-        if fused_merge:
-            arrivals = split_semaphores(query.device, num_q_blocks * num_kv_heads)
-        else:
-            arrivals = output  # unused by the kernel
-    else:
-        fused_merge = False
-        part_out = part_max = part_sum = arrivals = output  # unused by the kernel
+        if plan.fused_merge:  # else the second kernel merges: no semaphores
+            arrivals = split_semaphores(query.device, plan.num_q_blocks * num_kv_heads)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     # The interpreter multiplies bfloat16 blocks as their raw bits: upcast there.
     dot_f32 = query.dtype == torch.float32 or (interpreting() and query.dtype == torch.bfloat16)
-    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
-        output,
-        part_out,
-        part_max,
-        part_sum,
-        arrivals,
-        query,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        query_start_loc,
-        k_scale,
-        v_scale,
-        *rope_args,
-        scale * _LOG2E,
-        num_reqs,
-        num_splits,
-        query.stride(0),
-        query.stride(1),
-        output.stride(0),
-        output.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_table.stride(0),
+    _paged_attention_kernel[(plan.num_q_blocks, num_kv_heads, plan.num_splits)](
+        output, part_out, part_max, part_sum, arrivals,
+        query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+        k_scale, v_scale, *rope_args,
+        scale * _LOG2E, num_reqs, plan.num_splits,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         *rope_strides,
-        NUM_HEADS=num_heads,
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        HEAD_SIZE=head_size,
-        HEAD_PAD=head_pad,
-        BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        TILE=tile,
-        USE_SPLITS=use_splits,
-        FUSED_MERGE=fused_merge,
-        DOT_PRECISION="ieee" if dot_f32 else "tf32",
-        DOT_F32=dot_f32,
-        KV_FP8=kv_fp8,
-        ROPE=rope is not None,
-        IS_NEOX=bool(is_neox),
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **options,
-        **launch_options(query.device),
-    )
-    if use_splits and not fused_merge:
-        merge_pieces(output, part_out, part_max, part_sum, num_splits)
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size,
+        HEAD_PAD=head_pad, BLOCK_SIZE=kv_cache.shape[2], BLOCK_Q=plan.block_q,
+        BLOCK_M=plan.block_m, TILE=plan.tile, USE_SPLITS=use_splits, FUSED_MERGE=plan.fused_merge,
+        DOT_PRECISION="ieee" if dot_f32 else "tf32", DOT_F32=dot_f32, KV_FP8=kv_fp8,
+        ROPE=rope is not None, IS_NEOX=is_neox, num_warps=plan.num_warps,
+        num_stages=plan.num_stages, **plan.options, **launch_options(query.device),
+    )  # fmt: skip
+    if use_splits and not plan.fused_merge:
+        merge_pieces(output, part_out, part_max, part_sum, plan.num_splits)
