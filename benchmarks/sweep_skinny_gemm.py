@@ -71,7 +71,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_utils import HBM_BYTES_PER_S, read_gemm_tables, write_gemm_tables
 
 from compile.passes.fused_ops import silu_and_mul_ref
-from v1_engine.kernels import fp8, fp8_cutlass, fp8_launch, triton_fused_quant, triton_gemv
+from v1_engine.kernels import (
+    fp8,
+    fp8_cutlass,
+    fp8_launch,
+    skinny_launch,
+    triton_fused_quant,
+    triton_gemv,
+)
 from v1_engine.kernels import triton_gemv_fp8 as fp8_skinny
 from v1_engine.kernels import triton_gemv_fp8_decode as fp8_decode
 from v1_engine.layers.quantization.fp8_moe import quantize_matrix_block_fp8
@@ -93,7 +100,7 @@ CALLS = 10
 L2_BYTES = 60e6
 SMEM_BYTES = 200 * 1024
 """Pipeline buffers above this cannot fit an SM's shared memory (with room for the epilogue)."""
-FMA_MAX_M = triton_gemv.FMA_MAX_M
+FMA_MAX_M = skinny_launch.FMA_MAX_M
 """The fma body keeps M rows of partial products in registers: only small M."""
 
 
@@ -129,7 +136,7 @@ def smem_bytes(kind: str, launch: dict, m: int) -> int:
     weight_rows = launch["block_n"] * (2 if kind in GATED_KINDS else 1)
     # The norm kinds read x, the residual and the norm weight each K step (bf16).
     x_bytes = {"bf16": 2, "weight_only": 2, "norm": 6, "norm_gated": 6}.get(kind, 1)
-    x_rows = triton_gemv.block_rows(launch["mode"], m)
+    x_rows = skinny_launch.block_rows(launch["mode"], m)
     step = weight_rows * element_bytes(kind) + x_rows * x_bytes
     return launch["num_stages"] * launch["block_k"] * step
 
@@ -152,7 +159,7 @@ def dot_configs(kind: str) -> list[dict]:
 def fma_fits(kind: str, launch: dict, m: int) -> bool:
     """Whether the fma body's float32 accumulators (M's bucket x block_n x block_k; the gated
     kind has two) stay within 64 registers a thread."""
-    values = triton_gemv.m_bucket(m) * launch["block_n"] * launch["block_k"]
+    values = skinny_launch.m_bucket(m) * launch["block_n"] * launch["block_k"]
     values *= 2 if kind in GATED_KINDS else 1
     return values <= 64 * 32 * launch["num_warps"]
 
@@ -181,7 +188,7 @@ def fma_configs(kind: str) -> list[dict]:
     more weight bytes. In the sm_90 builds of the FP8 kinds (`python
     tests/kernels/fp8_decode_probe.py --rank KIND M`) the launches with 64 values a thread issue
     0.11-0.13 warp instructions a weight byte at M = 1, those with 32 (the default) 0.16."""
-    if "fma" not in (triton_gemv.MODES if kind == "bf16" else fp8_launch.KIND_MODES[kind]):
+    if "fma" not in (skinny_launch.MODES if kind == "bf16" else fp8_launch.KIND_MODES[kind]):
         return []
     space = itertools.product(
         (4, 3, 6), block_ks(kind, fma=True), fma_block_ns(kind), (4, 8), ("fma",)
@@ -237,7 +244,7 @@ def sweep_configs(kind: str, splits: list[int], modes: list[str] | None) -> list
     """Every config the sweep times for `kind`, most promising first: the bodies interleaved,
     the split launches (`splits` ways) alternating with them, only `modes` (default: the
     kind's bodies)."""
-    kind_modes = triton_gemv.MODES if kind == "bf16" else fp8_launch.KIND_MODES[kind]
+    kind_modes = skinny_launch.MODES if kind == "bf16" else fp8_launch.KIND_MODES[kind]
     modes = set(modes or kind_modes)
     configs = interleave(interleave(dot_configs(kind), wgmma_configs(kind)), fma_configs(kind))
     split = split_configs(kind, splits)
@@ -276,7 +283,7 @@ def precompile_all(kind: str, configs: list[dict], ms: list[int], workers: int) 
         rows = {}
         for m in sorted(ms):
             if applies(kind, launch, m):
-                rows.setdefault(triton_gemv.block_rows(launch["mode"], m), m)
+                rows.setdefault(skinny_launch.block_rows(launch["mode"], m), m)
         jobs += [(kind, m, launch) for m in rows.values()]
     start = time.perf_counter()
     if workers > 0:
@@ -406,7 +413,7 @@ class Problem:
 
     def default_launch(self, m: int, n: int, k: int) -> dict:
         if self.kind == "bf16":
-            return triton_gemv.launch_config(m, n, k)
+            return skinny_launch.launch_config(m, n, k)
         return fp8_launch.fp8_launch_config(self.kind, m, n, k)
 
 
@@ -461,7 +468,7 @@ def report(kind: str, name: str, n: int, k: int, results: dict) -> dict:
         )
         if not timed:
             print(line + "  (no skinny config ran)", flush=True)
-            table[(triton_gemv.m_bucket(m), n, k)] = None
+            table[(skinny_launch.m_bucket(m), n, k)] = None
             continue
         us, tag, launch = timed[0]
         default = next((t for t in timed if t[1] == "default"), None)
@@ -471,7 +478,7 @@ def report(kind: str, name: str, n: int, k: int, results: dict) -> dict:
         if default is not None:
             line += f" | default {default[0]:.1f} us"
         print(line, flush=True)
-        table[(triton_gemv.m_bucket(m), n, k)] = launch if us < cublas else None
+        table[(skinny_launch.m_bucket(m), n, k)] = launch if us < cublas else None
     return table
 
 
@@ -479,7 +486,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"any of {list(SHAPES)}")
     parser.add_argument(
-        "--m", default="1,2,4,8,16", help=f"batch sizes (1..{triton_gemv.SKINNY_MAX_M})"
+        "--m", default="1,2,4,8,16", help=f"batch sizes (1..{skinny_launch.SKINNY_MAX_M})"
     )
     parser.add_argument("--seconds", type=float, default=20.0, help="timing budget per shape")
     parser.add_argument(
@@ -520,9 +527,9 @@ def main() -> None:
         if s not in SHAPES:
             raise SystemExit(f"--shapes: {s!r} is not one of {list(SHAPES)}")
     ms = [int(m) for m in args.m.split(",") if m]
-    if not all(1 <= m <= triton_gemv.SKINNY_MAX_M for m in ms):
-        raise SystemExit(f"--m: batch sizes must be in 1..{triton_gemv.SKINNY_MAX_M}")
-    buckets = [triton_gemv.m_bucket(m) for m in ms]
+    if not all(1 <= m <= skinny_launch.SKINNY_MAX_M for m in ms):
+        raise SystemExit(f"--m: batch sizes must be in 1..{skinny_launch.SKINNY_MAX_M}")
+    buckets = [skinny_launch.m_bucket(m) for m in ms]
     if len(set(buckets)) != len(buckets):
         raise SystemExit(
             f"--m: {ms} holds two batch sizes of one M bucket ({buckets}); the table keeps one "
@@ -535,7 +542,9 @@ def main() -> None:
     torch.manual_seed(0)
     begin = time.perf_counter()
     precompile_all(kind, configs, ms, args.workers)
-    table = dict(triton_gemv.TUNED_LAUNCH if kind == "bf16" else fp8_launch.FP8_TUNED_LAUNCH[kind])
+    table = dict(
+        skinny_launch.TUNED_LAUNCH if kind == "bf16" else fp8_launch.FP8_TUNED_LAUNCH[kind]
+    )
     swept = {}
     for name in names:
         n, k = SHAPES[name]

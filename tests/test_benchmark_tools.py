@@ -190,7 +190,7 @@ def test_skinny_sweep_builds_only_launches_the_kernels_take(kind):
     128-wide group a K step, split too; the FP8 kinds' wgmma body early, split too."""
     import sweep_skinny_gemm as sweep
 
-    from v1_engine.kernels import fp8_launch, triton_gemv
+    from v1_engine.kernels import fp8_launch, skinny_launch
 
     configs = sweep.sweep_configs(kind, [2, 4], None)
     n, k = sweep.SHAPES["down"]
@@ -200,7 +200,7 @@ def test_skinny_sweep_builds_only_launches_the_kernels_take(kind):
             if not sweep.applies(kind, launch, m) or (kind in fp8_launch.DECODE_KINDS and m > 4):
                 continue
             if kind == "bf16":
-                resolved = triton_gemv.resolve_launch(m, n, k, launch)
+                resolved = skinny_launch.resolve_launch(m, n, k, launch)
             else:
                 resolved = fp8_launch.resolve_fp8_launch(kind, m, n, k, launch)
             assert resolved["mode"] == launch["mode"] and resolved["block_n"] == launch["block_n"]

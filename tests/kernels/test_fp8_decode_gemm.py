@@ -17,10 +17,9 @@ from test_triton_gemv_fp8 import Recorder
 
 from compile.passes import fp8_linear_ops
 from compile.passes.fused_ops import silu_and_mul_ref
-from v1_engine.kernels import fp8
+from v1_engine.kernels import fp8, skinny_launch
 
 _CUDA = torch.cuda.is_available()
-triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
 skinny = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8")
 fp8_launch = pytest.importorskip("v1_engine.kernels.fp8_launch")
 decode = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8_decode")
@@ -120,7 +119,7 @@ def test_decode_kind_launch_rules(monkeypatch):
     monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, "weight_only", {})
     assert not fp8_launch.prefers_fp8_skinny("weight_only", 1, 4096, 4096)  # no entry: the chain
     # An entry beyond the fma body's rows is never taken (its launch would be refused).
-    monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
+    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", True)
     for bucket in (4, 8):
         monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH["weight_only"], (bucket, 64, 64), {})
     assert fp8_launch.prefers_fp8_skinny("weight_only", 3, 64, 64)
@@ -151,7 +150,7 @@ def chain(monkeypatch):
         monkeypatch.setattr(decode, name, lambda *a, _r=kernels[name], **kw: _r(*a, **kw))
     for kind in fp8_launch.DECODE_KINDS:
         monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, kind, {})
-    monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
+    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", True)
     return stubs, kernels
 
 
@@ -314,9 +313,9 @@ def test_decode_ops_replay_in_a_cuda_graph_gpu(monkeypatch):
         graph.replay()
         eager = step()
         assert torch.equal(captured, eager)
-        monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", False)
+        monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", False)
         quantized = step()
-        monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
+        monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", True)
         scale = quantized.float().abs().amax().item()
         assert (eager.float() - quantized.float()).abs().amax().item() < 0.1 * scale
 

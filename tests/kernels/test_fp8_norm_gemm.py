@@ -17,10 +17,9 @@ from test_fp8_decode_gemm import assert_matches, quantized_weight, randn, stride
 from compile.passes import fp8_norm_ops
 from compile.passes.fused_ops import silu_and_mul_ref
 from compile.passes.fused_quant_ops import add_rms_norm_quant_ref
-from v1_engine.kernels import fp8
+from v1_engine.kernels import fp8, skinny_launch
 
 _CUDA = torch.cuda.is_available()
-triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
 fp8_launch = pytest.importorskip("v1_engine.kernels.fp8_launch")
 decode = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8_decode")
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
@@ -168,7 +167,7 @@ def chain(monkeypatch):
         monkeypatch.setattr(decode, name, lambda *a, _r=kernels[name], **kw: _r(*a, **kw))
     for kind in fp8_launch.DECODE_KINDS:
         monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, kind, {})
-    monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
+    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", True)
     return stubs, kernels
 
 
@@ -321,9 +320,9 @@ def test_norm_ops_replay_in_a_cuda_graph_gpu(monkeypatch):
         eager = step()
         for c, e in zip(captured, eager, strict=True):
             assert torch.equal(c, e)
-        monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", False)
+        monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", False)
         quantized = step()
-        monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
+        monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", True)
         # The first residual sum is the same add. The second adds qkv, which the fold computes
         # from the unquantized activation, so it is only near the chain's.
         assert torch.equal(eager[2], quantized[2])

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from compile.passes.fused_ops import fused_add_rms_norm_ref, silu_and_mul_ref
-from v1_engine.kernels import semaphores
+from v1_engine.kernels import semaphores, skinny_launch
 
 _CUDA = torch.cuda.is_available()
 # On the CPU the kernels run under Triton's interpreter, which tests/conftest.py turns on
@@ -33,9 +33,9 @@ def values(shape: tuple[int, ...], dtype: torch.dtype, seed: int, device="cpu") 
 def modes(*dot_ms: int) -> list[tuple[str, int]]:
     return [
         (mode, m)
-        for mode in triton_gemv.MODES
+        for mode in skinny_launch.MODES
         for m in dot_ms
-        if mode != "fma" or m <= triton_gemv.FMA_MAX_M
+        if mode != "fma" or m <= skinny_launch.FMA_MAX_M
     ]
 
 
@@ -111,7 +111,7 @@ def test_add_norm_epilogue_matches_unfused_interpreted(mode, m, split):
 def test_gated_launch_rules():
     """The gated launch halves the gate_up entry's block_n (to the body's floor), never splits."""
     key = (1, 28672, 4096)
-    entry = triton_gemv.TUNED_LAUNCH[key]
+    entry = skinny_launch.TUNED_LAUNCH[key]
     config = epilogues.gated_launch(1, 28672, 4096, {})
     assert config["block_n"] == max(1 if entry["mode"] == "fma" else 16, entry["block_n"] // 2)
     assert config["mode"] == entry["mode"] and config["split_k"] == 1
@@ -140,9 +140,9 @@ def test_cuda_bodies_dispatch_interpreted(monkeypatch):
         calls.clear()
         unmeasured = epilogues.silu_mul_linear_cuda(x, w2)
         assert calls == [] and torch.equal(unmeasured, silu_and_mul_ref(F.linear(x, w2)))
-        bucket = triton_gemv.m_bucket(m)
-        monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (bucket, 2 * n, k), tuned)
-        monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (bucket, n, k), tuned)
+        bucket = skinny_launch.m_bucket(m)
+        monkeypatch.setitem(skinny_launch.TUNED_LAUNCH, (bucket, 2 * n, k), tuned)
+        monkeypatch.setitem(skinny_launch.TUNED_LAUNCH, (bucket, n, k), tuned)
         gated = epilogues.silu_mul_linear_cuda(x, w2)
         normed, summed = epilogues.linear_add_rms_norm_cuda(x, w, residual, norm_w, eps)
         fused_gate = ["skinny_gemm_silu_mul"] if bucket in epilogues.GATED_M_BUCKETS else []
@@ -228,12 +228,12 @@ def test_add_norm_linear_dispatch_interpreted(monkeypatch):
     check(1, folded=False)  # no measured launch
     assert calls == []
     for bucket, shape in itertools.product((1, 2), ((n, k), (2 * n, k))):
-        monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (bucket, *shape), tuned)
+        monkeypatch.setitem(skinny_launch.TUNED_LAUNCH, (bucket, *shape), tuned)
     check(1, folded=True)
     assert calls == [False, True]  # the gated epilogue in the kernel at M = 1
     check(2, folded=True)
     assert calls == [False, True, False, False]  # at M = 2 the SiLU-and-mul kernel after it
-    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (2, n, k), tuned | {"split_k": 2})
+    monkeypatch.setitem(skinny_launch.TUNED_LAUNCH, (2, n, k), tuned | {"split_k": 2})
     x, residual = values((2, k), torch.bfloat16, 8), values((2, k), torch.bfloat16, 9)
     epilogues.add_norm_linear_cuda(x, residual, norm_w, eps, w, False)  # split: the chain
     assert len(calls) == 4
@@ -338,10 +338,10 @@ def test_folded_norm_llama3_shapes_gpu(m, shape, gated):
     norm_w = (1.0 + 0.2 * values((k,), torch.float32, 3, "cuda")).to(torch.bfloat16)
     weight = (0.02 * values((n, k), torch.float32, 4, "cuda")).to(torch.bfloat16)
     launch = {"split_k": 1}
-    if not triton_gemv.TUNED_LAUNCH.get((m, n, k)):  # 64 x 256 x 4 stages needs 329 KB of smem
+    if not skinny_launch.TUNED_LAUNCH.get((m, n, k)):  # 64 x 256 x 4 stages needs 329 KB of smem
         launch |= {"mode": "dot", "block_n": 64, "block_k": 128, "num_stages": 3}
     out, h = epilogues.skinny_gemm_add_norm(x, residual, norm_w, 1e-5, weight, gated, **launch)
-    resolve = epilogues.gated_launch if gated else triton_gemv.resolve_launch
+    resolve = epilogues.gated_launch if gated else skinny_launch.resolve_launch
     mode = resolve(m, n, k, launch)["mode"]
     operand = None if mode == "fma" else torch.bfloat16
     want, want_h = folded_norm_ref(x, residual, norm_w, weight, 1e-5, gated, operand)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from v1_engine.kernels import semaphores
+from v1_engine.kernels import semaphores, skinny_launch
 from v1_engine.layers.quantization.base import UnquantizedLinearMethod
 
 _CUDA = torch.cuda.is_available()
@@ -57,9 +57,9 @@ def mode_and_m(*dot_ms: int) -> list[tuple[str, int]]:
     """(mode, M) cases: `dot_ms` for the tensor-core bodies, the M <= FMA_MAX_M ones for fma."""
     return [
         (mode, m)
-        for mode in triton_gemv.MODES
+        for mode in skinny_launch.MODES
         for m in dot_ms
-        if mode != "fma" or m <= triton_gemv.FMA_MAX_M
+        if mode != "fma" or m <= skinny_launch.FMA_MAX_M
     ]
 
 
@@ -113,17 +113,17 @@ def test_split_k_matches_reference_and_resets_its_semaphores_interpreted(mode, m
         # Deterministic: the partials are summed in slice order, whichever program is last.
         assert torch.equal(out, triton_gemv.skinny_gemm(x, w, bias, split_k=split, **launch))
         assert not semaphores._SEMAPHORES[x.device].any()
-    assert triton_gemv.k_per_split(k, launch | {"split_k": split}) == (128 if split == 2 else 96)
+    assert skinny_launch.k_per_split(k, launch | {"split_k": split}) == (128 if split == 2 else 96)
 
 
 def test_every_table_entry_is_a_valid_launch():
     """Each measured entry of TUNED_LAUNCH (kernels/skinny_tuned.py) resolves at its shape: a
     known body, tiles the body takes, a split that leaves no slice of K empty."""
     entries = 0
-    for (m, n, k), launch in triton_gemv.TUNED_LAUNCH.items():
-        assert triton_gemv.m_bucket(m) == m, (m, n, k)
+    for (m, n, k), launch in skinny_launch.TUNED_LAUNCH.items():
+        assert skinny_launch.m_bucket(m) == m, (m, n, k)
         if launch is not None:
-            assert triton_gemv.resolve_launch(m, n, k, {}) == {"split_k": 1} | launch
+            assert skinny_launch.resolve_launch(m, n, k, {}) == {"split_k": 1} | launch
             entries += 1
     assert entries > 0
 
@@ -159,7 +159,7 @@ def test_split_k_compiles_for_sm90(run_compile_probe):
 def test_default_launch_masks_a_short_k_interpreted():
     # The default config (BLOCK_K 256) over K = 72: one masked step; fp16, M in the 8 bucket.
     x, w, bias = values((5, 72), torch.float16, 4), values((24, 72), torch.float16, 5), None
-    assert triton_gemv.launch_config(5, 24, 72)["block_k"] == 256
+    assert skinny_launch.launch_config(5, 24, 72)["block_k"] == 256
     assert_matches(triton_gemv.skinny_gemm(x, w, bias), reference(x, w, bias), 72)
 
 
@@ -174,19 +174,21 @@ def test_cuda_body_runs_the_kernel_up_to_max_m_interpreted(monkeypatch):
     monkeypatch.setattr(
         skinny_linear_op, "skinny_gemm", lambda *args, **kw: calls.append(1) or kernel(*args, **kw)
     )
-    max_m = triton_gemv.SKINNY_MAX_M
+    max_m = skinny_launch.SKINNY_MAX_M
     w, bias = values((24, 64), torch.bfloat16, 6), values((24,), torch.bfloat16, 7)
     x = values((max_m, 64), torch.bfloat16, 8)
     unmeasured = skinny_linear_op.skinny_linear_cuda(x, w, bias)  # no table entry: F.linear
     assert calls == [] and torch.equal(unmeasured, F.linear(x, w, bias))
     tuned = {"mode": "dot_swap", "block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 2}
-    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (triton_gemv.m_bucket(max_m), 24, 64), tuned)
+    monkeypatch.setitem(skinny_launch.TUNED_LAUNCH, (skinny_launch.m_bucket(max_m), 24, 64), tuned)
     out = skinny_linear_op.skinny_linear_cuda(x, w, bias)
     assert calls == [1]
     assert_matches(out, reference(x, w, bias), 64)
 
-    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (triton_gemv.m_bucket(max_m + 1), 24, 64), tuned)
-    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (2, 24, 64), None)  # measured: F.linear
+    monkeypatch.setitem(
+        skinny_launch.TUNED_LAUNCH, (skinny_launch.m_bucket(max_m + 1), 24, 64), tuned
+    )
+    monkeypatch.setitem(skinny_launch.TUNED_LAUNCH, (2, 24, 64), None)  # measured: F.linear
     for x in (
         values((max_m + 1, 64), torch.bfloat16, 9),
         values((3, 64), torch.float32, 10),
@@ -206,7 +208,7 @@ def test_fits_skinny_rules():
     x = values((4, 64), torch.bfloat16, 2)
     fits = skinny_linear_op.fits_skinny
     assert fits(x, w, None) and fits(x, w, values((32,), torch.bfloat16, 3))
-    max_m = triton_gemv.SKINNY_MAX_M
+    max_m = skinny_launch.SKINNY_MAX_M
     assert fits(values((max_m, 64), torch.float16, 4), w.half(), None)
     assert not fits(values((max_m + 1, 64), torch.bfloat16, 4), w, None)  # M > SKINNY_MAX_M
     assert not fits(x[:0], w, None)  # no rows
@@ -220,16 +222,16 @@ def test_fits_skinny_rules():
 
 
 def test_launch_table_and_overrides(monkeypatch):
-    buckets = [triton_gemv.m_bucket(m) for m in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64)]
+    buckets = [skinny_launch.m_bucket(m) for m in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64)]
     assert buckets == [1, 2, 4, 8, 8, 16, 16, 32, 64, 64]
     tuned = {"mode": "dot_swap", "block_n": 32, "block_k": 128, "num_warps": 8, "num_stages": 5}
-    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (4, 1024, 1024), tuned)
+    monkeypatch.setitem(skinny_launch.TUNED_LAUNCH, (4, 1024, 1024), tuned)
     # M = 3 is in the 4 bucket; an entry without split_k is not split.
-    assert triton_gemv.launch_config(3, 1024, 1024) == tuned | {"split_k": 1}
-    assert triton_gemv.launch_config(5, 1024, 1024) == triton_gemv.default_launch(5, 1024, 1024)
-    resolved = triton_gemv.resolve_launch(3, 1024, 1024, {"num_stages": 2})
+    assert skinny_launch.launch_config(3, 1024, 1024) == tuned | {"split_k": 1}
+    assert skinny_launch.launch_config(5, 1024, 1024) == skinny_launch.default_launch(5, 1024, 1024)
+    resolved = skinny_launch.resolve_launch(3, 1024, 1024, {"num_stages": 2})
     assert resolved == tuned | {"num_stages": 2, "split_k": 1}
-    assert triton_gemv.resolve_launch(3, 1024, 1024, {"split_k": 8})["split_k"] == 8
+    assert skinny_launch.resolve_launch(3, 1024, 1024, {"split_k": 8})["split_k"] == 8
     for bad in (
         {"block_m": 16},
         {"mode": "split_k"},
@@ -242,19 +244,19 @@ def test_launch_table_and_overrides(monkeypatch):
         {"split_k": 7},  # 2 steps a slice fill only 4 slices: the rest would be empty
     ):
         with pytest.raises(ValueError, match=next(iter(bad)) if "block_m" not in bad else "key"):
-            triton_gemv.resolve_launch(3, 1024, 1024, bad)
-    assert triton_gemv.resolve_launch(1, 64, 64, {"mode": "fma", "block_n": 4})["block_n"] == 4
-    fma_max_m = triton_gemv.FMA_MAX_M
-    assert triton_gemv.resolve_launch(fma_max_m, 64, 64, {"mode": "fma"})["mode"] == "fma"
+            skinny_launch.resolve_launch(3, 1024, 1024, bad)
+    assert skinny_launch.resolve_launch(1, 64, 64, {"mode": "fma", "block_n": 4})["block_n"] == 4
+    fma_max_m = skinny_launch.FMA_MAX_M
+    assert skinny_launch.resolve_launch(fma_max_m, 64, 64, {"mode": "fma"})["mode"] == "fma"
     with pytest.raises(
         ValueError, match=f"'fma' needs M in 1..{fma_max_m}, got M = {fma_max_m + 1}"
     ):
-        triton_gemv.resolve_launch(fma_max_m + 1, 64, 64, {"mode": "fma", "block_n": 4})
-    assert triton_gemv.prefers_skinny(3, 1024, 1024)  # the 4 bucket holds a config
-    assert not triton_gemv.prefers_skinny(1, 64, 64)  # unmeasured: F.linear
-    monkeypatch.setitem(triton_gemv.TUNED_LAUNCH, (16, 1024, 1024), None)  # F.linear faster
-    assert not triton_gemv.prefers_skinny(9, 1024, 1024)
-    assert triton_gemv.launch_config(9, 1024, 1024) == triton_gemv.default_launch(9, 1024, 1024)
+        skinny_launch.resolve_launch(fma_max_m + 1, 64, 64, {"mode": "fma", "block_n": 4})
+    assert skinny_launch.prefers_skinny(3, 1024, 1024)  # the 4 bucket holds a config
+    assert not skinny_launch.prefers_skinny(1, 64, 64)  # unmeasured: F.linear
+    monkeypatch.setitem(skinny_launch.TUNED_LAUNCH, (16, 1024, 1024), None)  # F.linear faster
+    assert not skinny_launch.prefers_skinny(9, 1024, 1024)
+    assert skinny_launch.launch_config(9, 1024, 1024) == skinny_launch.default_launch(9, 1024, 1024)
 
 
 def test_op_traces_with_unbacked_token_count():
@@ -380,7 +382,7 @@ def test_apply_under_compile_gpu():
     method = UnquantizedLinearMethod()
     torch._dynamo.reset()
     compiled = torch.compile(lambda x: method.apply(layer, x, None), fullgraph=True)
-    for m in (1, 7, triton_gemv.SKINNY_MAX_M + 1):
+    for m in (1, 7, skinny_launch.SKINNY_MAX_M + 1):
         x = values((m, 4096), torch.bfloat16, m, "cuda")
         torch._dynamo.decorators.mark_unbacked(x, 0)
         assert_matches(compiled(x), reference(x, layer.weight, None), 4096)

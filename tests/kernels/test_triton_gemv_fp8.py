@@ -15,14 +15,13 @@ import functools
 import pytest
 import torch
 
-from v1_engine.kernels import fp8, semaphores
+from v1_engine.kernels import fp8, semaphores, skinny_launch
 from v1_engine.kernels.fp8 import FP8_DTYPE
 from v1_engine.layers.quantization.fp8_moe import quantize_matrix_block_fp8
 
 _CUDA = torch.cuda.is_available()
 # On the CPU the kernels run under Triton's interpreter, which tests/conftest.py turns on
 # before any kernel module is imported.
-triton_gemv = pytest.importorskip("v1_engine.kernels.triton_gemv")
 skinny = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8")
 fp8_launch = pytest.importorskip("v1_engine.kernels.fp8_launch")
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
@@ -106,12 +105,12 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, mode: str = "") -> None
 
 def body_cases(kind: str, ms: list[int]) -> list[tuple[str, int]]:
     """(body, M) pairs of the `kind` kernel: every body at every M it takes (fma up to
-    triton_gemv.FMA_MAX_M rows)."""
+    skinny_launch.FMA_MAX_M rows)."""
     return [
         (mode, m)
         for mode in fp8_launch.KIND_MODES[kind]
         for m in ms
-        if mode != "fma" or m <= triton_gemv.FMA_MAX_M
+        if mode != "fma" or m <= skinny_launch.FMA_MAX_M
     ]
 
 
@@ -263,7 +262,7 @@ def stubs(monkeypatch):
         monkeypatch.setattr(skinny, name, counted)
     for kind in fp8_launch.KINDS:  # as shipped before any measurement: no shape has an entry
         monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, kind, {})
-    monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
+    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", True)
     return cutlass, triton_calls
 
 
@@ -288,12 +287,12 @@ def test_scaled_mm_cuda_body_dispatch_interpreted(stubs, monkeypatch):
     assert_matches(fp8._scaled_mm_cuda(*args), ref)
     assert (cutlass["channel"].calls, triton_calls["channel"]) == (1, 1)
 
-    monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", False)
+    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", False)
     fp8._scaled_mm_cuda(*args)
-    monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
-    beyond = triton_gemv.SKINNY_MAX_M + 1
+    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", True)
+    beyond = skinny_launch.SKINNY_MAX_M + 1
     a_beyond, _, scale_a_beyond, _ = channel_operands(beyond, n, k, "token", seed=3)
-    key = (triton_gemv.m_bucket(beyond), n, k)
+    key = (skinny_launch.m_bucket(beyond), n, k)
     monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH["channel"], key, launch_for("dot_swap", ""))
     fp8._scaled_mm_cuda(a_beyond, b, scale_a_beyond, scale_b, torch.bfloat16, bias)
     monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH["channel"], (4, n, k), None)  # CUTLASS faster
@@ -317,7 +316,7 @@ def test_block_scaled_mm_cuda_body_dispatch_interpreted(stubs, monkeypatch):
     assert (cutlass["block"].calls, triton_calls["block"]) == (1, 1)
     # The channel table does not serve the block kind, nor the other way round.
     assert not fp8_launch.prefers_fp8_skinny("channel", 2, n, k)
-    monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", False)
+    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", False)
     fp8._block_scaled_mm_cuda(*args)
     assert (cutlass["block"].calls, triton_calls["block"]) == (2, 1)
 
@@ -330,7 +329,7 @@ def test_fits_fp8_skinny_rules():
     fits = skinny.fits_fp8_skinny
     bias = torch.zeros(32, dtype=torch.bfloat16)
     assert fits(a, b) and fits(a, b, bias) and fits(strided_rows(a), b)
-    max_m = triton_gemv.SKINNY_MAX_M
+    max_m = skinny_launch.SKINNY_MAX_M
     assert fits(channel_operands(max_m, 32, 64, "tensor", seed=2)[0], b)
     assert not fits(channel_operands(max_m + 1, 32, 64, "tensor", seed=2)[0], b)  # > SKINNY_MAX_M
     assert not fits(a[:0], b)  # no rows
@@ -347,7 +346,7 @@ def test_every_table_entry_is_a_valid_launch():
     entries = 0
     for kind, table in fp8_launch.FP8_TUNED_LAUNCH.items():
         for (m, n, k), launch in table.items():
-            assert triton_gemv.m_bucket(m) == m, (kind, m, n, k)
+            assert skinny_launch.m_bucket(m) == m, (kind, m, n, k)
             if launch is not None:
                 resolved = fp8_launch.resolve_fp8_launch(kind, m, n, k, {})
                 assert resolved == {"split_k": 1} | launch
@@ -368,7 +367,7 @@ def test_launch_table_and_overrides(monkeypatch):
     tuned = {"mode": "dot_swap", "block_n": 16, "block_k": 1024, "num_warps": 8, "num_stages": 5}
     monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, "channel", {(4, 1024, 2048): tuned})
     monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, "block", {(16, 1024, 2048): None})
-    monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
+    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", True)
     assert fp8_launch.fp8_launch_config("channel", 3, 1024, 2048) == tuned  # the 4 bucket
     assert fp8_launch.prefers_fp8_skinny("channel", 3, 1024, 2048)
     assert not fp8_launch.prefers_fp8_skinny("channel", 5, 1024, 2048)  # unmeasured: CUTLASS
@@ -383,7 +382,7 @@ def test_launch_table_and_overrides(monkeypatch):
     assert fp8_launch.resolve_fp8_launch("block", 3, 1024, 2048, fma)["block_k"] == 128
     wgmma = {"mode": "wgmma", "block_n": 128, "block_k": 256}
     assert fp8_launch.resolve_fp8_launch("channel", 64, 1024, 2048, wgmma)["mode"] == "wgmma"
-    monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", False)
+    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", False)
     assert not fp8_launch.prefers_fp8_skinny("channel", 3, 1024, 2048)
     for kind, bad, match in (
         ("channel", {"block_m": 16}, "unknown launch key"),
@@ -456,7 +455,7 @@ def test_block_llama3_shapes_gpu(name, m, mode):
     b, scale_b = llama3_weight(name, "block")
     a, scale_a = fp8.per_token_group_fp8_quant_ref(randn((m, k), m).cuda())
     # fma: 32 columns at M = 1, 8 at the 4-row bucket (the accumulators' registers)
-    launch = {"mode": mode, "block_n": 32 // triton_gemv.m_bucket(m) if mode == "fma" else 64}
+    launch = {"mode": mode, "block_n": 32 // skinny_launch.m_bucket(m) if mode == "fma" else 64}
     out = skinny.fp8_block_skinny_gemm(a, b, scale_a, scale_b, torch.float16, **launch)
     ref = fp8.block_scaled_mm_ref(a, b, scale_a, scale_b, torch.float16)
     assert_matches(out, ref, mode)
@@ -528,7 +527,7 @@ def test_op_dispatch_gpu(kind, monkeypatch):
     assert torch.equal(op(*args), cutlass(*args))
     launch = fp8_launch.default_fp8_launch(kind, 4, n, k) | {"mode": "dot_swap", "block_n": 64}
     monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, kind, {(4, n, k): launch})
-    monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
+    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", True)
     assert torch.equal(op(*args), kernel(*args, **launch))
 
 
@@ -541,7 +540,7 @@ def test_cuda_graph_replay_gpu(monkeypatch):
     launch = {"mode": "dot_swap", "block_n": 64, "block_k": 512, "num_warps": 4, "num_stages": 4}
     launch["split_k"] = 4  # the semaphores reset inside the graph, so every replay is right
     monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, "channel", {(4, n, k): launch})
-    monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
+    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", True)
     bias = randn((n,), 1).to("cuda", torch.bfloat16)
     x = randn((4, k), 2).to("cuda", torch.bfloat16)
 
@@ -574,7 +573,7 @@ def test_scaled_mm_under_compile_with_unbacked_token_count_gpu(monkeypatch):
     launch = {"mode": "dot_swap", "block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 4}
     table = {(1, n, k): launch, (8, n, k): launch | {"mode": "dot_swap", "block_n": 64}}
     monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, "channel", table)
-    monkeypatch.setattr(triton_gemv, "SKINNY_GEMM_ENABLED", True)
+    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", True)
 
     def linear(x):
         qx, sx = fp8.per_token_fp8_quant(x)
@@ -582,13 +581,13 @@ def test_scaled_mm_under_compile_with_unbacked_token_count_gpu(monkeypatch):
 
     torch._dynamo.reset()
     compiled = torch.compile(linear, fullgraph=True)
-    for m in (1, 7, triton_gemv.SKINNY_MAX_M + 1):
+    for m in (1, 7, skinny_launch.SKINNY_MAX_M + 1):
         x = randn((m, k), m).to("cuda", torch.bfloat16)
         torch._dynamo.decorators.mark_unbacked(x, 0)
         qx, sx = fp8.per_token_fp8_quant_ref(x)
         ref = fp8.scaled_mm_ref(qx, b, sx, scale_b, torch.bfloat16)
         out = compiled(x)
-        if m <= triton_gemv.SKINNY_MAX_M:
+        if m <= skinny_launch.SKINNY_MAX_M:
             assert_matches(out, ref)
         else:  # CUTLASS's FP8 accumulator: the tolerance of test_fp8_gemm.py
             scale = ref.float().abs().amax().item()

@@ -6,22 +6,22 @@ kernels/triton_gemv_fp8_decode.py), per kind:
 - `default_fp8_launch`, the config of a shape the table does not hold (explicit calls only: the
   ops keep CUTLASS there);
 - `resolve_fp8_launch`, a config with a launch's overrides applied and validated: a ValueError
-  names the key that is unknown or out of range and the values it allows (triton_gemv's rules,
+  names the key that is unknown or out of range and the values it allows (skinny_launch's rules,
   plus each kind's bodies, the wgmma body's tile multiples, the block kind's scale group and the
   decode kinds' unsplit K);
 - `prefers_fp8_skinny`, the dispatch rule of the ops: the Triton kernel only where the skinny
   GEMMs are enabled and the table holds a measured config for the shape, CUTLASS (or the
   quantized chain) everywhere else.
 
-Plain Python without kernels, but it extends triton_gemv's launch rules, and importing
-triton_gemv imports triton.
+Plain Python without kernels, extending the bf16 kernel's launch rules (kernels/skinny_launch.py):
+importing it imports neither triton nor torch.
 """
 
 from __future__ import annotations
 
-from v1_engine.kernels import triton_gemv
+from v1_engine.kernels import skinny_launch
+from v1_engine.kernels.skinny_launch import m_bucket
 from v1_engine.kernels.skinny_tuned_fp8 import FP8_TUNED_LAUNCH
-from v1_engine.kernels.triton_gemv import m_bucket
 
 KIND_MODES = {
     "channel": ("dot_swap", "wgmma", "fma"),
@@ -31,8 +31,8 @@ KIND_MODES = {
     "norm": ("fma",),
     "norm_gated": ("fma",),
 }
-"""Bodies each FP8 kernel has (see kernels/triton_gemv_fp8.py's docstring): triton_gemv.MODES'
-"dot_swap" and "fma" (only for M <= triton_gemv.FMA_MAX_M, as in the bf16 kernel), and "wgmma",
+"""Bodies each FP8 kernel has (see kernels/triton_gemv_fp8.py's docstring): skinny_launch.MODES'
+"dot_swap" and "fma" (only for M <= skinny_launch.FMA_MAX_M, as in the bf16 kernel), and "wgmma",
 FP8's own: dot_swap on the e4m3 tiles as loaded (block_n a multiple of WGMMA_ROWS)."""
 KINDS = tuple(KIND_MODES)
 WGMMA_ROWS = 64
@@ -67,7 +67,7 @@ def default_fp8_launch(kind: str, m: int, n: int, k: int) -> dict[str, int | str
         block_k = max(128, 1024 // m_bucket(m))
         return {"mode": "fma", "block_n": block_n, "block_k": block_k, "num_warps": 4,
                 "num_stages": 4, "split_k": 1}  # fmt: skip
-    config = triton_gemv.default_launch(m, n, k) | {"mode": "dot_swap", "block_n": 32}
+    config = skinny_launch.default_launch(m, n, k) | {"mode": "dot_swap", "block_n": 32}
     if kind == "channel":
         return config | {"block_k": 512}
     return config | {"block_k": SCALE_GROUP, "num_stages": 6}
@@ -85,15 +85,15 @@ def resolve_fp8_launch(
     kind: str, m: int, n: int, k: int, launch: dict[str, int | str]
 ) -> dict[str, int | str]:
     """`fp8_launch_config` with the `launch` overrides applied; raises ValueError naming a key
-    that is unknown or out of range (triton_gemv's rules, plus block_k == 128 and
+    that is unknown or out of range (skinny_launch's rules, plus block_k == 128 and
     block_n <= 128 for the block kind, and for the wgmma body block_n a multiple of 64 and
     block_k of 128)."""
     config = fp8_launch_config(kind, m, n, k) | launch
     mode = config["mode"]
-    # A complete config overrides every key of triton_gemv's own default, so this only checks
+    # A complete config overrides every key of skinny_launch's own default, so this only checks
     # (the wgmma body under dot_swap's rules: it is dot_swap on e4m3 operands).
     checked = config | {"mode": "dot_swap"} if mode == "wgmma" else config
-    config = triton_gemv.resolve_launch(m, n, k, checked) | {"mode": mode}
+    config = skinny_launch.resolve_launch(m, n, k, checked) | {"mode": mode}
     if config["mode"] not in KIND_MODES[kind]:
         raise ValueError(
             f"launch mode must be one of {KIND_MODES[kind]} for the FP8 {kind} kernel, got "
@@ -128,10 +128,10 @@ def resolve_fp8_launch(
 def prefers_fp8_skinny(kind: str, m: int, n: int, k: int) -> bool:
     """True only where the skinny GEMMs are enabled (V1ENGINE_SKINNY_GEMM) and FP8_TUNED_LAUNCH
     holds a measured config for the shape (for the decode kinds, only up to the fma body's
-    triton_gemv.FMA_MAX_M rows): every other shape stays on CUTLASS."""
+    skinny_launch.FMA_MAX_M rows): every other shape stays on CUTLASS."""
     _check_kind(kind)
-    if not triton_gemv.SKINNY_GEMM_ENABLED:
+    if not skinny_launch.SKINNY_GEMM_ENABLED:
         return False
-    if kind in DECODE_KINDS and m_bucket(m) > triton_gemv.FMA_MAX_M:  # the fma body only
+    if kind in DECODE_KINDS and m_bucket(m) > skinny_launch.FMA_MAX_M:  # the fma body only
         return False
     return FP8_TUNED_LAUNCH[kind].get((m_bucket(m), n, k)) is not None

@@ -27,18 +27,18 @@ from __future__ import annotations
 
 import torch
 
-from v1_engine.kernels.skinny_linear_op import fits_skinny, skinny_linear_cuda
-from v1_engine.kernels.triton_gemv import (
+from v1_engine.kernels.skinny_launch import (
     _DOT_ROWS,
-    _launch,
     launch_config,
     m_bucket,
     prefers_skinny,
     resolve_launch,
 )
+from v1_engine.kernels.skinny_linear_op import fits_skinny, skinny_linear_cuda
+from v1_engine.kernels.triton_gemv import _launch
 
 GATED_M_BUCKETS = (1,)
-"""M buckets (kernels/triton_gemv.py's m_bucket) the gated kernel runs for; the others take the
+"""M buckets (kernels/skinny_launch.py's m_bucket) the gated kernel runs for; the others take the
 GEMM and the SiLU-and-mul kernel. Measured on the H200 (benchmarks/RESULTS.md, "Skinny GEMM
 epilogues"), Llama-3-8B shape, decode ms a step, unfused vs gated: batch 1 (the fma body)
 4.33 vs 4.28; batches 2-16 (dot_swap, half the gate_up block_n) 4.44-4.68 vs 4.90-5.19;

@@ -11,12 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from v1_engine.kernels import gemm_cutlass
-from v1_engine.kernels.triton_gemv import (
-    SKINNY_DTYPES,
-    prefers_skinny,
-    skinny_gemm,
-    skinny_operands,
-)
+from v1_engine.kernels.skinny_launch import prefers_skinny
+from v1_engine.kernels.triton_gemv import SKINNY_DTYPES, skinny_gemm, skinny_operands
 
 
 def fits_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

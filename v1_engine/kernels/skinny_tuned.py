@@ -1,6 +1,6 @@
-"""The bf16 skinny GEMM's measured launch table (kernels/triton_gemv.py): data, kept apart from
-the kernel. `python benchmarks/sweep_skinny_gemm.py` prints it with the swept entries replaced;
-paste that here."""
+"""The bf16 skinny GEMM's measured launch table (kernels/triton_gemv.py; read by the launch rules
+of kernels/skinny_launch.py): data, kept apart from the kernel. `python
+benchmarks/sweep_skinny_gemm.py` prints it with the swept entries replaced; paste that here."""
 
 from __future__ import annotations
 

@@ -113,7 +113,7 @@ FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | No
         (1, 28672, 4096): _FMA | {"block_n": 16, "block_k": 256, "num_stages": 3},
     },
 }
-"""Measured launch configs per kind, keyed by (M bucket, N, K) as triton_gemv.TUNED_LAUNCH; None
+"""Measured launch configs per kind, keyed by (M bucket, N, K) as skinny_tuned.TUNED_LAUNCH; None
 marks a shape where the CUTLASS kernel measured as fast or faster: the ops run the Triton kernel
 only for shapes with a config. From `python benchmarks/sweep_skinny_gemm.py --fp8 channel|block
 --shapes qkv,o_proj,gate_up,down` on the H200 (2026-12-03, benchmarks/RESULTS.md "FP8 skinny

@@ -24,44 +24,29 @@ Three bodies, picked by the launch config's `mode` (the sweep compares them):
   once at the end; BLOCK_M is M rounded up to a power of two (no padding to 16), at most
   FMA_MAX_M (the accumulator lives in registers).
 
-The `v1_engine::skinny_linear` op that the unquantized linear layers call on CUDA, and that
-picks between this kernel, the CUTLASS GEMM and F.linear, is kernels/skinny_linear_op.py.
+The launch rules (SKINNY_MAX_M, FMA_MAX_M, the bodies, the measured table and the validation of a
+launch's overrides) are kernels/skinny_launch.py. The `v1_engine::skinny_linear` op that the
+unquantized linear layers call on CUDA, and that picks between this kernel, the CUTLASS GEMM and
+F.linear, is kernels/skinny_linear_op.py.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from v1_engine.kernels import interpreting
+from v1_engine.kernels import interpreting, skinny_launch
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
-from v1_engine.kernels.skinny_tuned import TUNED_LAUNCH
 from v1_engine.kernels.triton_fused_quant import _round_to, _silu_mul_values
-
-SKINNY_MAX_M = 64
-"""Largest row count the skinny kernel takes; more rows go to F.linear (compute starts to
-matter there and the vendor GEMM's tiles fit). Within it the op still runs the kernel only on
-shapes and M buckets TUNED_LAUNCH holds a measured config for."""
-
-FMA_MAX_M = 4
-"""Largest row count of the "fma" body: its float32 accumulator holds BLOCK_M x BLOCK_N x BLOCK_K
-values in registers, so more rows spill (`resolve_launch` rejects the body beyond it)."""
 
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 """Operand dtypes the op routes to the kernel (the kernel itself also takes float32)."""
 
-SKINNY_GEMM_ENABLED = os.environ.get("V1ENGINE_SKINNY_GEMM", "1") != "0"
-"""V1ENGINE_SKINNY_GEMM=0 keeps the unquantized linear layers on F.linear everywhere."""
-
-MODES = ("dot", "dot_swap", "fma")
-LAUNCH_KEYS = ("mode", "block_n", "block_k", "num_warps", "num_stages", "split_k")
-_MODE_IDS = {name: index for index, name in enumerate(MODES)}
-_DOT_ROWS = 16
-"""tl.dot needs every dimension >= 16: the dot bodies pad x's rows to at least this."""
+_MODE_IDS = {name: index for index, name in enumerate(skinny_launch.MODES)}
+"""The kernel's MODE constexpr of each body (the bodies and the other launch rules:
+kernels/skinny_launch.py)."""
 
 _ALIGN_BYTES = 16
 """K and x's row stride must keep rows 16-byte aligned for vector loads."""
@@ -331,101 +316,6 @@ def _store_tile(result, bias_ptr, out_ptr, offs_m, offs_n, n_mask, tile_mask, st
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
-def m_bucket(m: int) -> int:
-    """M rounded up to a power of two: the row count the launch table is keyed by."""
-    return 1 << max(0, m - 1).bit_length()
-
-
-def block_rows(mode: str, m: int) -> int:
-    """BLOCK_M, the rows x is tiled into for M in body `mode`: M's bucket, and at least the 16
-    rows tl.dot needs in the tensor-core bodies."""
-    bucket = m_bucket(m)
-    return bucket if mode == "fma" else max(_DOT_ROWS, bucket)
-
-
-def default_launch(m: int, n: int, k: int) -> dict[str, int | str]:
-    """Launch config for shapes the sweep has not measured: enough column tiles to give every
-    SM of a large GPU about two programs, 256-wide K steps and four stages in flight."""
-    if n >= 16384:
-        block_n = 64
-    elif n >= 8192:
-        block_n = 32
-    else:
-        block_n = 16
-    return {
-        "mode": "dot",
-        "block_n": block_n,
-        "block_k": 256,
-        "num_warps": 4,
-        "num_stages": 4,
-        "split_k": 1,
-    }
-
-
-def launch_config(m: int, n: int, k: int) -> dict[str, int | str]:
-    """The launch config of an M x N x K skinny GEMM: TUNED_LAUNCH's entry (split_k 1 unless it
-    says), else the default."""
-    return {"split_k": 1} | (TUNED_LAUNCH.get((m_bucket(m), n, k)) or default_launch(m, n, k))
-
-
-def prefers_skinny(m: int, n: int, k: int) -> bool:
-    """True only for shapes TUNED_LAUNCH holds a measured config for. An unmeasured shape stays
-    on F.linear: the untuned default lost to cuBLAS on 4 of the 5 Llama-3-8B shapes it was
-    measured on, so extending the table (sweep_skinny_gemm.py) is how a model gains."""
-    return TUNED_LAUNCH.get((m_bucket(m), n, k)) is not None
-
-
-def _is_pow2(value: object) -> bool:
-    return isinstance(value, int) and value > 0 and value & (value - 1) == 0
-
-
-def resolve_launch(m: int, n: int, k: int, launch: dict[str, int | str]) -> dict[str, int | str]:
-    """`launch_config` with the `launch` overrides applied; raises ValueError naming a key that
-    is unknown or out of range."""
-    for key in launch:
-        if key not in LAUNCH_KEYS:
-            raise ValueError(f"unknown launch key {key!r}; allowed keys are {LAUNCH_KEYS}")
-    config = launch_config(m, n, k) | launch
-    if config["mode"] not in MODES:
-        raise ValueError(f"launch mode must be one of {MODES}, got {config['mode']!r}")
-    if config["mode"] == "fma" and m_bucket(m) > FMA_MAX_M:
-        raise ValueError(
-            f"launch mode 'fma' needs M in 1..{FMA_MAX_M}, got M = {m} (M bucket {m_bucket(m)})"
-        )
-    floor = 1 if config["mode"] == "fma" else _DOT_ROWS
-    for key in ("block_n", "block_k"):
-        if not _is_pow2(config[key]) or config[key] < floor:
-            raise ValueError(
-                f"launch {key} must be a power of two >= {floor} in mode {config['mode']!r}, "
-                f"got {config[key]!r}"
-            )
-    if not _is_pow2(config["num_warps"]):
-        raise ValueError(f"launch num_warps must be a power of two, got {config['num_warps']!r}")
-    if not isinstance(config["num_stages"], int) or config["num_stages"] < 1:
-        raise ValueError(f"launch num_stages must be an integer >= 1, got {config['num_stages']!r}")
-    k_steps = -(-k // config["block_k"])
-    split = config["split_k"]
-    if not isinstance(split, int) or not 1 <= split <= k_steps:
-        raise ValueError(
-            f"launch split_k must be an integer in 1..{k_steps} (K = {k} in block_k "
-            f"{config['block_k']} steps), got {split!r}"
-        )
-    per_slice = -(-k_steps // split)
-    if -(-k_steps // per_slice) != split:
-        raise ValueError(
-            f"launch split_k {split} would leave a slice empty: {k_steps} block_k steps split "
-            f"{per_slice} a slice fill only {-(-k_steps // per_slice)} slices"
-        )
-    return config
-
-
-def k_per_split(k: int, config: dict) -> int:
-    """The K slice each program of a split launch walks: whole block_k steps, the last slice
-    taking what remains."""
-    k_steps = -(-k // config["block_k"])
-    return -(-k_steps // config["split_k"]) * config["block_k"]
-
-
 def split_workspace(out: torch.Tensor, tiles: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A split launch's (partials [split, M, N] float32, semaphores) for output `out` [M, N] over
     `tiles` column tiles; for an unsplit launch (split 1) both are `out`, never read."""
@@ -446,7 +336,7 @@ def _constexprs(
         "HAS_BIAS": has_bias,
         "MODE": mode,
         "DOT_F32": dtype == torch.float32 or interpreting(),
-        "BLOCK_M": block_rows(config["mode"], m),
+        "BLOCK_M": skinny_launch.block_rows(config["mode"], m),
         "BLOCK_N": config["block_n"],
         "BLOCK_K": config["block_k"],
         "NUM_STAGES": config["num_stages"],
@@ -506,7 +396,7 @@ def _launch(
         m,
         n,
         k,
-        k_per_split(k, config),
+        skinny_launch.k_per_split(k, config),
         x.stride(0),
         weight.stride(0),
         out.stride(0),
@@ -533,7 +423,7 @@ def skinny_gemm(
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
-    config = resolve_launch(m, n, k, launch)
+    config = skinny_launch.resolve_launch(m, n, k, launch)
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _launch(x, weight, bias, out, config)
@@ -544,7 +434,7 @@ def precompile(dtype: torch.dtype, m: int, n: int, k: int, **launch: int | str) 
     """Compile (into Triton's cache) the kernel skinny_gemm would launch for contiguous,
     16-byte aligned operands of this shape, without launching it: lets a tuning sweep compile
     its configurations in parallel processes."""
-    config = resolve_launch(m, n, k, launch)
+    config = skinny_launch.resolve_launch(m, n, k, launch)
     split = config["split_k"] > 1
     _skinny_gemm_kernel.warmup(
         dtype,
@@ -560,7 +450,7 @@ def precompile(dtype: torch.dtype, m: int, n: int, k: int, **launch: int | str) 
         m,
         n,
         k,
-        k_per_split(k, config),
+        skinny_launch.k_per_split(k, config),
         k,
         k,
         n,
@@ -575,7 +465,7 @@ def skinny_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The layout every skinny kernel (bf16 here, FP8 in triton_gemv_fp8.py) needs: 2-D x of
     1..SKINNY_MAX_M rows with K contiguous, a contiguous 2-D weight of the same K, and rows that
     start 16-byte aligned (vector loads). Dtypes are the caller's to check."""
-    if x.dim() != 2 or weight.dim() != 2 or not 1 <= x.shape[0] <= SKINNY_MAX_M:
+    if x.dim() != 2 or weight.dim() != 2 or not 1 <= x.shape[0] <= skinny_launch.SKINNY_MAX_M:
         return False
     k = x.shape[1]
     if weight.shape[1] != k or not weight.is_contiguous() or x.stride(1) != 1:

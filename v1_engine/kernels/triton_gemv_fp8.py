@@ -29,7 +29,7 @@ SASS: 0.03-0.04 warp instructions a weight byte, against dot_swap's 0.06-0.08 an
 
 Nothing changes until a shape is measured: the ops keep CUTLASS for every shape without an entry
 in FP8_TUNED_LAUNCH (`benchmarks/sweep_skinny_gemm.py --fp8 channel|block` prints the entries),
-and V1ENGINE_SKINNY_GEMM=0 (triton_gemv.SKINNY_GEMM_ENABLED) keeps them on CUTLASS everywhere.
+and V1ENGINE_SKINNY_GEMM=0 (skinny_launch.SKINNY_GEMM_ENABLED) keeps them on CUTLASS everywhere.
 kernels/fp8_launch.py holds the launch rules: a shape's config from the table or a default, the
 validation of launch overrides, and that dispatch rule (`prefers_fp8_skinny`).
 """
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from v1_engine.kernels import interpreting, triton_gemv
+from v1_engine.kernels import interpreting, skinny_launch, triton_gemv
 from v1_engine.kernels.fp8_launch import DECODE_KINDS, SCALE_GROUP, resolve_fp8_launch
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.triton_gemv import _dot, _split_arrive, _split_sum
@@ -356,7 +356,7 @@ def _constexprs(
     """Compile-time arguments and launch options shared by both kernels."""
     return {
         "DOT_F32": interpreting(),
-        "BLOCK_M": triton_gemv.block_rows(str(config["mode"]), m),
+        "BLOCK_M": skinny_launch.block_rows(str(config["mode"]), m),
         "BLOCK_N": config["block_n"],
         "BLOCK_K": config["block_k"],
         "NUM_STAGES": config["num_stages"],
@@ -411,7 +411,7 @@ def fp8_skinny_gemm(
         m,
         n,
         k,
-        triton_gemv.k_per_split(k, config),
+        skinny_launch.k_per_split(k, config),
         a.stride(0),
         b.stride(0),
         out.stride(0),
@@ -459,7 +459,7 @@ def fp8_block_skinny_gemm(
         m,
         n,
         k,
-        triton_gemv.k_per_split(k, config),
+        skinny_launch.k_per_split(k, config),
         a.stride(0),
         b.stride(0),
         out.stride(0),
@@ -488,7 +488,7 @@ def precompile_fp8(
     constexprs = _constexprs(m, config, torch.device("cuda"))
     split = config["split_k"] > 1
     workspace = (fp32 if split else out_dtype, torch.int32 if split else out_dtype)
-    sizes = (m, n, k, triton_gemv.k_per_split(k, config), k, k, n)
+    sizes = (m, n, k, skinny_launch.k_per_split(k, config), k, k, n)
     if kind == "channel":
         args = (fp8, fp8, fp32, fp32, out_dtype, out_dtype, *workspace, *sizes, 1, 1)
         _fp8_skinny_kernel.warmup(

@@ -1,6 +1,6 @@
 """The FP8 decode kinds of the skinny GEMMs (kernels/triton_gemv_fp8.py, whose fma / wgmma
 helpers they share, as they share the launch table and rules of kernels/fp8_launch.py): kernels
-for decode-sized M (the fma body, M <= triton_gemv.FMA_MAX_M) that skip an activation quant
+for decode-sized M (the fma body, M <= skinny_launch.FMA_MAX_M) that skip an activation quant
 kernel. Program n owns BLOCK_N output columns over all of K, never split.
 
 - "weight_only" (`fp8_weight_only_gemm`): a bf16/fp16 activation times an e4m3 weight with
@@ -306,7 +306,7 @@ def fp8_weight_only_gemm(
 ) -> torch.Tensor:
     """out [M, N] in x's dtype = (x @ b^T) * scale_b (+ bias), the activation not quantized:
     x bf16/fp16 [M, K] (K contiguous), b e4m3 [N, K] contiguous, scale_b fp32 with 1 or N values,
-    bias [N] in x's dtype; M <= triton_gemv.FMA_MAX_M (the fma body). `launch` overrides keys of
+    bias [N] in x's dtype; M <= skinny_launch.FMA_MAX_M (the fma body). `launch` overrides keys of
     `fp8_launch_config("weight_only", ...)`."""
     _check_out_dtype(x.dtype)
     m, k = x.shape
@@ -330,7 +330,7 @@ def fp8_gated_gemm(
 ) -> torch.Tensor:
     """h [M, I] = silu_and_mul(scaled_mm(a, b, scale_a, scale_b, out_dtype)) in one kernel: a
     e4m3 [M, K] with scale_a fp32 of 1 or M values, b e4m3 [2I, K] (I gate rows, then I up rows)
-    with scale_b fp32 of 1 or 2I values; M <= triton_gemv.FMA_MAX_M. `launch` overrides keys of
+    with scale_b fp32 of 1 or 2I values; M <= skinny_launch.FMA_MAX_M. `launch` overrides keys of
     `fp8_launch_config("gated", M, 2I, K)`."""
     _check_out_dtype(out_dtype)
     m, k = a.shape
@@ -361,7 +361,7 @@ def fp8_add_norm_gemm(
     kernel (kind "norm"); `gated`: b holds I gate rows then I up rows and out [M, I] =
     silu(gate) * up as fp8_gated_gemm rounds it (kind "norm_gated", no bias). x and residual
     bf16/fp16 [M, K] with unit last strides, norm_weight [K], b e4m3 [N, K] contiguous, scale_b
-    fp32 with 1 or N values; M <= triton_gemv.FMA_MAX_M. `launch` overrides keys of
+    fp32 with 1 or N values; M <= skinny_launch.FMA_MAX_M. `launch` overrides keys of
     `fp8_launch_config(kind, M, N, K)`."""
     _check_out_dtype(x.dtype)
     m, k = x.shape

@@ -47,16 +47,9 @@ import triton.language as tl
 from v1_engine.kernels import interpreting
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
+from v1_engine.kernels.skinny_launch import MODES, block_rows, m_bucket
 from v1_engine.kernels.triton_fused_quant import _round_to
-from v1_engine.kernels.triton_gemv import (
-    _MODE_IDS,
-    MODES,
-    _accumulate,
-    _silu_mul,
-    _tile_result,
-    block_rows,
-    m_bucket,
-)
+from v1_engine.kernels.triton_gemv import _MODE_IDS, _accumulate, _silu_mul, _tile_result
 
 FUSED_MLP_ENABLED = os.environ.get("V1ENGINE_FUSED_MLP", "1") != "0"
 """V1ENGINE_FUSED_MLP=0 keeps the MLP on the unfused kernels even where the table has a launch."""

@@ -48,8 +48,8 @@ class LMHead(nn.Module):
         if hidden_states.is_cuda and self.weight.dtype in (torch.bfloat16, torch.float16):
             # Decode-sized batches: the skinny Triton GEMM (5% faster than cuBLAS on the
             # Llama-3-8B vocabulary); larger ones fall back to F.linear inside the op.
-            from v1_engine.kernels import skinny_linear_op, triton_gemv
+            from v1_engine.kernels import skinny_launch, skinny_linear_op
 
-            if triton_gemv.SKINNY_GEMM_ENABLED:
+            if skinny_launch.SKINNY_GEMM_ENABLED:
                 return skinny_linear_op.skinny_linear(hidden_states, self.weight)
         return F.linear(hidden_states, self.weight)

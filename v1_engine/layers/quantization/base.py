@@ -77,9 +77,9 @@ class UnquantizedLinearMethod(LinearMethod):
         if x.is_cuda and layer.weight.dtype in (torch.bfloat16, torch.float16):
             # Imported here so CPU-only installs never need triton. The op picks the skinny
             # Triton GEMM for decode-sized batches and F.linear otherwise.
-            from v1_engine.kernels import skinny_linear_op, triton_gemv
+            from v1_engine.kernels import skinny_launch, skinny_linear_op
 
-            if triton_gemv.SKINNY_GEMM_ENABLED:
+            if skinny_launch.SKINNY_GEMM_ENABLED:
                 return skinny_linear_op.skinny_linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
