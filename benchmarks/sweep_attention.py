@@ -4,13 +4,15 @@ Times one decode step of attention (one query token per request) over a paged bf
 every combination of cached tokens per loop step, warps, pipeline stages and split-KV factor, and
 prints the fastest as achieved bandwidth on the K/V bytes the kernel must read. The shape is the
 Llama-3-8B one by default (32 query heads, 8 KV heads, head size 128, block size 16).
-`_launch_config` in triton_attention.py is set from this.
+`launch_config` and the split rules in kernels/attention_launch.py are set from this.
 
     python benchmarks/sweep_attention.py --cases 64x1024,1x128,1x4096,256x1024 --seconds 40
     python benchmarks/sweep_attention.py --cases "" --prefill 4096 --seconds 60
 
 `--baseline FILE` also times the default launch of another version of the kernel module in the
-same run (an A/B of a kernel change), e.g. the committed one:
+same run (an A/B of a kernel change), e.g. the committed one (the file imports the launch rules
+of kernels/attention_launch.py from this tree, so a baseline from before a change to those
+rules' names will not load):
 
     git show HEAD:v1_engine/kernels/triton_attention.py > /tmp/attention_head.py
     python benchmarks/sweep_attention.py --cases 1x128,64x1024 --seconds 0 \
