@@ -40,7 +40,7 @@ WGMMA_ROWS = 64
 lowers smaller tiles to mma.sync, which has no e4m3 form on sm_90)."""
 WGMMA_PROMOTE_K = 128
 """K extent the "wgmma" body accumulates in the tensor core before adding to float32 (the
-literal max_num_imprecise_acc of triton_gemv_fp8._swapped_dot): its block_k is a multiple."""
+max_num_imprecise_acc of triton_gemv_fp8._swapped_dot): its block_k is a multiple."""
 DECODE_KINDS = ("weight_only", "gated", "norm", "norm_gated")
 """The kinds of kernels/triton_gemv_fp8_decode.py (the fma body, the gated kind also wgmma;
 never split), which shares this module's table and launch rules. "norm" / "norm_gated" are

@@ -41,11 +41,18 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels import interpreting, skinny_launch, triton_gemv
-from v1_engine.kernels.fp8_launch import DECODE_KINDS, SCALE_GROUP, resolve_fp8_launch
+from v1_engine.kernels.fp8_launch import (
+    DECODE_KINDS,
+    SCALE_GROUP,
+    WGMMA_PROMOTE_K,
+    resolve_fp8_launch,
+)
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.triton_gemv import _dot, _split_arrive, _split_sum
 
 FP8_DTYPE = torch.float8_e4m3fn
+_PROMOTE_K = tl.constexpr(WGMMA_PROMOTE_K)
+"""fp8_launch.WGMMA_PROMOTE_K as the kernels read it (a global a kernel reads is a constexpr)."""
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -65,7 +72,7 @@ def _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32: tl.constexpr,
     if DOT_F32:
         return _dot(b.to(tl.float32), tl.trans(a.to(tl.float32)), DOT_F32)
     if NATIVE:
-        return tl.dot(b, tl.trans(a), max_num_imprecise_acc=128)  # fp8_launch.WGMMA_PROMOTE_K
+        return tl.dot(b, tl.trans(a), max_num_imprecise_acc=_PROMOTE_K)
     return _dot(b.to(tl.float16), tl.trans(a.to(tl.float16)), DOT_F32)
 
 
