@@ -2,7 +2,11 @@
 
 Variants (`--variant`): `kv` an e4m3 KV cache with the layers' scales (1.0 unless set), the
 weights as stored; `weights` the linear layers quantized to FP8 at load (quantization="fp8"),
-the LM head in the model dtype; `head` those and the LM head too (quantize_lm_head=True).
+the LM head in the model dtype; `head` those and the LM head too (quantize_lm_head=True);
+`head_weight_only` the FP8 linears and an LM head whose weight only is e4m3 (per vocabulary row,
+as quantize_lm_head scales it) while its input stays in the model dtype, emulated by the
+dequantized weight (exact in float32 on the CPU; one more rounding in bf16): how much of the FP8
+head's error is its activation's quantization.
 
 For each prompt the reference model (model-dtype weights and cache: bf16 on a GPU, float32 on
 the CPU) runs over its own paged cache, decoding greedily: that sequence is the reference. Then
@@ -129,6 +133,7 @@ VARIANTS = {
     "kv": "fp8 vs {dtype} KV cache",
     "weights": "FP8 vs {dtype} weights (LM head {dtype})",
     "head": "FP8 vs {dtype} weights and LM head",
+    "head_weight_only": "FP8 vs {dtype} weights, LM head weight-only FP8",
 }
 """--variant: the row's label."""
 
@@ -185,6 +190,13 @@ def main() -> None:
     model, cache_dtype = reference, dtype
     if args.variant == "kv":
         cache_dtype = torch.float8_e4m3fn
+    elif args.variant == "head_weight_only":
+        model = build("fp8", quantize_lm_head=True)
+        head = model.lm_head
+        dequantized = head.quant_method.dequantized_weight(head).to(dtype)
+        head.quant_method = None
+        del head.weight_scale
+        head.weight = torch.nn.Parameter(dequantized, requires_grad=False)
     else:
         model = build("fp8", quantize_lm_head=args.variant == "head")
     backend = get_attn_backend(device)
