@@ -21,6 +21,7 @@ from v1_engine.attention.backend import AttentionMetadata
 from v1_engine.attention.cpu import CPUAttentionBackend, causal_attention, gather_paged_kv
 from v1_engine.attention.selector import get_attn_backend
 from v1_engine.attention.triton_attn import TritonAttentionBackend
+from v1_engine.kernels import attention_launch as al
 from v1_engine.kernels import triton_attention as ta
 from v1_engine.kernels.attention_launch import SPLIT_DECODE_TILE, AttentionLaunch, plan_launch
 from v1_engine.kernels.semaphores import split_semaphores
@@ -168,11 +169,11 @@ def test_interpreter_split_pieces_merge_in_the_launch_or_a_second_kernel(num_spl
 
 
 def test_fused_merge_by_split_count():
-    assert ta.fused_merge_for(ta.FUSED_MERGE_MAX_SPLITS, None)
-    assert ta.fused_merge_for(2, None)
-    assert not ta.fused_merge_for(ta.FUSED_MERGE_MAX_SPLITS * 2, None)
-    assert ta.fused_merge_for(32, {"fused_merge": 1})
-    assert not ta.fused_merge_for(4, {"fused_merge": 0, "tile": 32})
+    assert al.fused_merge_for(al.FUSED_MERGE_MAX_SPLITS, None)
+    assert al.fused_merge_for(2, None)
+    assert not al.fused_merge_for(al.FUSED_MERGE_MAX_SPLITS * 2, None)
+    assert al.fused_merge_for(32, {"fused_merge": 1})
+    assert not al.fused_merge_for(4, {"fused_merge": 0, "tile": 32})
 
 
 @interpreter_only
@@ -263,29 +264,29 @@ def test_interpreter_launch_overrides():
 
 def test_choose_num_splits():
     # Few programs and a long context: split up to filling the device, a power of two.
-    assert ta.choose_num_splits(8, 1, 32768, 64, 264) == 32
-    assert ta.choose_num_splits(3, 1, 100_000, 64, 264) == 64
+    assert al.choose_num_splits(8, 1, 32768, 64, 264) == 32
+    assert al.choose_num_splits(3, 1, 100_000, 64, 264) == 64
     # Short context: each piece must keep a few tiles.
-    assert ta.choose_num_splits(8, 1, 300, 64, 264) == 1
-    assert ta.choose_num_splits(8, 1, 600, 64, 264) == 2
+    assert al.choose_num_splits(8, 1, 300, 64, 264) == 1
+    assert al.choose_num_splits(8, 1, 600, 64, 264) == 2
     # Prefill or a device already full: no split.
-    assert ta.choose_num_splits(8, 512, 32768, 64, 264) == 1
-    assert ta.choose_num_splits(512, 1, 32768, 64, 264) == 1
+    assert al.choose_num_splits(8, 512, 32768, 64, 264) == 1
+    assert al.choose_num_splits(512, 1, 32768, 64, 264) == 1
 
 
 def test_split_decode_tile():
     # A decode step whose programs fill at most a quarter of the device walks 32-row key tiles
     # (more splits at short context: 321 positions give 2 pieces of 32-row tiles, 1 of 64-row).
-    assert ta.split_decode_tile(64, 1, 8, 264) == 32
-    assert ta.choose_num_splits(8, 1, 321, 32, 264) == 2
-    assert ta.choose_num_splits(8, 1, 321, 64, 264) == 1
-    assert ta.split_decode_tile(64, 1, 64, 264) == 32  # batch 8 x 8 kv heads
+    assert al.split_decode_tile(64, 1, 8, 264) == 32
+    assert al.choose_num_splits(8, 1, 321, 32, 264) == 2
+    assert al.choose_num_splits(8, 1, 321, 64, 264) == 1
+    assert al.split_decode_tile(64, 1, 64, 264) == 32  # batch 8 x 8 kv heads
     # Programs past a quarter of the device (batch 16 x 8 kv heads), a full device (batch 64),
     # a prefill, or a tile already narrow: unchanged.
-    assert ta.split_decode_tile(64, 1, 128, 264) == 64
-    assert ta.split_decode_tile(64, 1, 512, 264) == 64
-    assert ta.split_decode_tile(64, 512, 8, 264) == 64
-    assert ta.split_decode_tile(16, 1, 8, 264) == 16
+    assert al.split_decode_tile(64, 1, 128, 264) == 64
+    assert al.split_decode_tile(64, 1, 512, 264) == 64
+    assert al.split_decode_tile(64, 512, 8, 264) == 64
+    assert al.split_decode_tile(16, 1, 8, 264) == 16
 
 
 def plan(max_query_len=1, num_tokens=1, num_reqs=1, max_seq_len=32768, target=264,
@@ -305,12 +306,12 @@ def test_plan_launch_decode_splits_on_a_narrow_tile():
     # Batch 4 at 4k: 32 programs, 8 splits, merged in the launch.
     batch4 = plan(num_tokens=4, num_reqs=4, max_seq_len=4096)
     assert (batch4.num_q_blocks, batch4.tile, batch4.num_splits) == (5, SPLIT_DECODE_TILE, 8)
-    assert batch4.num_splits == ta.FUSED_MERGE_MAX_SPLITS and batch4.fused_merge
+    assert batch4.num_splits == al.FUSED_MERGE_MAX_SPLITS and batch4.fused_merge
     # 8 query tokens of one request: 2 q-blocks hold them (the grid's 3 is a bound): 16 programs.
     multi = plan(max_query_len=8, num_tokens=8)
     assert (multi.num_q_blocks, multi.tile, multi.num_splits) == (3, SPLIT_DECODE_TILE, 16)
     # The 8 programs fill the CPU's token target (what paged_attention passes there).
-    assert ta.target_programs(torch.device("cpu")) == 8
+    assert al.target_programs(torch.device("cpu")) == 8
     cpu = plan(target=8)
     assert (cpu.tile, cpu.num_splits, cpu.fused_merge) == (64, 1, False)
 
@@ -346,7 +347,7 @@ def test_plan_launch_forced_splits_and_merge():
     # to FUSED_MERGE_MAX_SPLITS, or the fused_merge override; one piece never merges.
     forced = plan(num_splits=4)
     assert (forced.tile, forced.num_splits, forced.fused_merge) == (64, 4, True)
-    top = ta.FUSED_MERGE_MAX_SPLITS
+    top = al.FUSED_MERGE_MAX_SPLITS
     assert plan(num_splits=top).fused_merge and not plan(num_splits=2 * top).fused_merge
     assert plan(num_splits=2 * top, launch={"fused_merge": 1}).fused_merge
     assert not plan(num_splits=4, launch={"fused_merge": 0}).fused_merge
@@ -354,7 +355,7 @@ def test_plan_launch_forced_splits_and_merge():
 
 
 def test_plan_launch_rejects_bad_arguments():
-    message = f"launch keys must be among {ta.LAUNCH_KEYS}; got ['warps']"
+    message = f"launch keys must be among {al.LAUNCH_KEYS}; got ['warps']"
     with pytest.raises(ValueError, match=re.escape(message)):
         plan(launch={"warps": 4, "tile": 32})
     with pytest.raises(ValueError, match="num_splits must be >= 1, got 0"):
@@ -428,7 +429,7 @@ def test_gpu_long_decode_split_kv(dtype, num_splits):
     if num_splits is None:
         programs = 2 * 8
         target = 2 * torch.cuda.get_device_properties(0).multi_processor_count
-        assert ta.choose_num_splits(programs, 1, 32768, 64, target) > 1
+        assert al.choose_num_splits(programs, 1, 32768, 64, target) > 1
     assert rel_error(run_kernel(case, num_splits=num_splits), reference(case)) < TOLERANCE[dtype]
 
 

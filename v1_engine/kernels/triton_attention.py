@@ -43,19 +43,10 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels import interpreting
-from v1_engine.kernels.attention_launch import (  # noqa: F401 - re-exported
+from v1_engine.kernels.attention_launch import (
     FP8_CACHE_DTYPE,
-    FUSED_MERGE_MAX_SPLITS,
-    LAUNCH_KEYS,
-    SUPPORTED_DTYPES,
-    attention_flops,
     check_args,
-    check_paged_metadata,
-    choose_num_splits,
-    fused_merge_for,
-    launch_config,
     plan_launch,
-    split_decode_tile,
     target_programs,
 )
 from v1_engine.kernels.cache_ops import check_fp8_scales
