@@ -158,18 +158,18 @@ def test_choose_num_splits():
     assert choose_num_splits(300, 4096, 32, 264) == 1
 
 
-def test_resolve_launch_applies_and_checks_overrides():
+def test_plan_launch_applies_and_checks_overrides():
     cpu = torch.device("cpu")  # target_programs: 8 there
     # DeepSeek-V2-Lite's 16 heads, rank 512, 64-token blocks, one request at 4k: the default
     # plain form pages 32-token tiles; 1 program, so the split fills the 8 target programs.
-    plan = mla_launch.resolve_launch(16, 512, 64, 1, 4096, False, cpu)
+    plan = mla_launch.plan_launch(16, 512, 64, 1, 4096, False, cpu)
     assert plan.config == mla_launch.LaunchConfig(16, 32, 4, 3, block_v=512, page_tile=True)
     assert (plan.rank_pad, plan.num_head_tiles, plan.num_v_slices, plan.num_splits) == (
         512, 1, 1, 8,
     )  # fmt: skip
     # 128 heads: 64-head tiles; a 48-token block drops page_tile, the given overrides win and
     # give the grid (2 head tiles x 4 latent slices); num_splits passes through.
-    plan = mla_launch.resolve_launch(
+    plan = mla_launch.plan_launch(
         128, 500, 48, 3, 4096, False, cpu, 2, block_v=128, swap=True, num_warps=4, tile=None
     )
     assert not plan.config.page_tile and plan.config.swap and plan.config.num_warps == 4
@@ -184,9 +184,9 @@ def test_resolve_launch_applies_and_checks_overrides():
         ({"tile": 64, "page_tile": True}, r"page_tile needs tile \(64\) to divide .* \(48\)"),
     ):
         with pytest.raises(ValueError, match=match):
-            mla_launch.resolve_launch(16, 512, 48, 1, 4096, False, cpu, **overrides)
+            mla_launch.plan_launch(16, 512, 48, 1, 4096, False, cpu, **overrides)
     with pytest.raises(ValueError, match="num_splits must be >= 1, got 0"):
-        mla_launch.resolve_launch(16, 512, 64, 1, 4096, False, cpu, 0)
+        mla_launch.plan_launch(16, 512, 64, 1, 4096, False, cpu, 0)
 
 
 @interpreter_only

@@ -71,7 +71,7 @@ class MlaLaunch:
     num_splits: int
 
 
-def resolve_launch(
+def plan_launch(
     num_heads: int,
     rank: int,
     block_size: int,

@@ -58,7 +58,7 @@ from v1_engine.kernels.mla_launch import (
     choose_num_splits,
     launch_config,
     mla_decode_bytes,
-    resolve_launch,
+    plan_launch,
 )
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
@@ -493,7 +493,7 @@ def mla_decode(
     if q_nope.shape[0] == 0 or num_reqs == 0:
         return
     dot_f32 = q_nope.dtype == torch.float32 or (interpreting() and q_nope.dtype == torch.bfloat16)
-    plan = resolve_launch(
+    plan = plan_launch(
         num_heads,
         rank,
         kv_cache.shape[1],
