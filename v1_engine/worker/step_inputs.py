@@ -57,6 +57,7 @@ def prepare_step_inputs(
     rows = np.array([batch.req_id_to_row[r] for r in req_ids], dtype=np.int64)
     num_sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
     total = int(num_sched.sum())
+    max_query_len = int(num_sched.max())
     cu = np.zeros(len(req_ids) + 1, dtype=np.int64)
     np.cumsum(num_sched, out=cu[1:])
     token_req = np.repeat(np.arange(len(req_ids)), num_sched)
@@ -77,7 +78,7 @@ def prepare_step_inputs(
     in_order = np.array_equal(logits_idx, np.arange(len(logits_idx)))
     logits_prefix = len(logits_idx) if in_order else None
     feed_rows = {}
-    if len(feed_dst) and num_sched.max() == 1:  # a uniform decode step: the graphs' feed
+    if len(feed_dst) and max_query_len == 1:  # a uniform decode step: the graphs' feed
         feed_rows["feed_rows"] = np.full(total, -1, dtype=np.int64)
         feed_rows["feed_rows"][feed_dst] = feed_src
 
@@ -103,7 +104,7 @@ def prepare_step_inputs(
         sample_idx=sample_idx,
         input_ids=staged["input_ids"],
         positions=staged["positions"],
-        metadata=_attention_metadata(staged, cu, seq_lens),
+        metadata=_attention_metadata(staged, cu, seq_lens, max_query_len),
         logits_idx=staged["logits_idx"],
         logits_prefix=logits_prefix,
         feed_dst=staged["feed_dst"] if len(feed_dst) else None,
@@ -113,7 +114,7 @@ def prepare_step_inputs(
 
 
 def _attention_metadata(
-    staged: dict[str, torch.Tensor], cu: np.ndarray, seq_lens: np.ndarray
+    staged: dict[str, torch.Tensor], cu: np.ndarray, seq_lens: np.ndarray, max_query_len: int
 ) -> AttentionMetadata:
     """The step's paging metadata: the staged device tensors, with host copies of the query
     starts and sequence lengths."""
@@ -123,7 +124,7 @@ def _attention_metadata(
         seq_lens=staged["seq_lens"],
         block_table=staged["block_table"],
         slot_mapping=staged["slot_mapping"],
-        max_query_len=int(np.diff(cu).max()),
+        max_query_len=max_query_len,
         max_seq_len=int(seq_lens.max()),
         query_start_loc_cpu=torch.from_numpy(cu.astype(np.int32)),
         seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
