@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import pstats
 import sys
 from pathlib import Path
@@ -68,6 +69,49 @@ def decode_kernels_per_step(prof: profile, steps: int) -> str:
     return "\n".join(lines)
 
 
+def decode_timeline(prof: profile, steps: int) -> str:
+    """Per decode step, from the trace's timestamps: the span (one argmax's end to the next's),
+    the time some kernel or copy ran (the union of their intervals: PDL overlaps a kernel with
+    the one before it, so the sum of device times overstates a step), and the rest, when the GPU
+    ran nothing. Idle time inside the step's graph is launch latency or a dependency bubble;
+    idle time before the step's first kernel is the GPU waiting for the host. The largest gaps
+    are listed by the pair of kernels around them."""
+    events = _device_events(prof)
+    ends = [i for i, e in enumerate(events) if "ArgMax" in e.name or "_row_argmax" in e.name]
+    if len(ends) != steps + 1:
+        raise SystemExit(f"expected {steps + 1} argmax kernels, found {len(ends)}")
+    span = busy = before_first = 0.0
+    gaps: dict[tuple[str, str], list[float]] = {}
+    for a, b in itertools.pairwise(ends):
+        start = events[a].time_range.end
+        span += events[b].time_range.end - start
+        covered_to = start
+        prev = events[a].name
+        for event in events[a + 1 : b + 1]:
+            begin, end = event.time_range.start, event.time_range.end
+            if begin > covered_to:
+                gap = begin - covered_to
+                if covered_to == start:
+                    before_first += gap
+                gaps.setdefault((prev[:40], event.name[:40]), []).append(gap)
+            if end > covered_to:
+                busy += end - max(begin, covered_to)
+                covered_to = end
+                prev = event.name
+    idle = span - busy
+    head = (
+        f"decode step timeline: span {span / steps:.1f} us, GPU busy {busy / steps:.1f} us, "
+        f"idle {idle / steps:.1f} us a step ({before_first / steps:.1f} before its first kernel)"
+    )
+    lines = [head]
+    top = sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:12]
+    for (left, right), values in top:
+        lines.append(
+            f"{sum(values) / steps:9.1f} us a step {len(values) / steps:6.1f} x  {left} -> {right}"
+        )
+    return "\n".join(lines)
+
+
 def profile_batch(llm: LLM, batch: int, args, vocab: int, out_dir: Path) -> None:
     steps = args.steps
     wall_ms = decode_ms_per_step(llm, batch, args.input_len, steps, vocab, repeats=1)  # warms up
@@ -79,7 +123,8 @@ def profile_batch(llm: LLM, batch: int, args, vocab: int, out_dir: Path) -> None
         sort_by="self_device_time_total", row_limit=30, max_name_column_width=70
     )
     per_step = decode_kernels_per_step(prof, steps)
-    (out_dir / f"kernels_b{batch}.txt").write_text(per_step + "\n\n" + table)
+    timeline = decode_timeline(prof, steps)
+    (out_dir / f"kernels_b{batch}.txt").write_text(per_step + "\n\n" + timeline + "\n\n" + table)
     if args.trace:
         prof.export_chrome_trace(str(out_dir / f"trace_b{batch}.json"))
 
@@ -97,6 +142,7 @@ def profile_batch(llm: LLM, batch: int, args, vocab: int, out_dir: Path) -> None
         flush=True,
     )
     print("\n".join(per_step.splitlines()[:16]), flush=True)
+    print(timeline, flush=True)
 
 
 def profile_prefill(llm: LLM, tokens: int, vocab: int, out_dir: Path) -> None:

@@ -306,3 +306,47 @@ def test_latency_compilation_config_from_pass_options():
         "level": 1,
         "fusion_passes": ["add_rms_norm"],
     }
+
+
+def test_decode_timeline_counts_overlap_once_and_finds_the_gaps():
+    """profile_decode.decode_timeline on a made-up trace of two decode steps: overlapping kernels
+    (as PDL runs them) count once toward the busy time; a gap before a step's first kernel is the
+    host's, one inside the step is listed by the kernels around it."""
+    from types import SimpleNamespace
+
+    import profile_decode
+    import torch
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def kernel(name, start, end):
+        return SimpleNamespace(
+            name=name,
+            device_type=cuda,
+            device_time=end - start,
+            time_range=SimpleNamespace(start=start, end=end),
+        )
+
+    events = [
+        kernel("_row_argmax_kernel", 0, 10),  # the prefill step's
+        kernel("gemm_a", 15, 40),  # 5 us waiting for the host
+        kernel("attention", 35, 60),  # overlaps gemm_a by 5 us
+        kernel("gemm_b", 62, 80),  # 2 us between attention and gemm_b
+        kernel("_row_argmax_kernel", 80, 90),
+        kernel("gemm_a", 90, 120),  # no gap: starts as the argmax ends
+        kernel("attention", 120, 140),
+        kernel("gemm_b", 146, 170),  # 6 us
+        kernel("_row_argmax_kernel", 170, 180),
+    ]
+    prof = SimpleNamespace(events=lambda: events)
+    text = profile_decode.decode_timeline(prof, steps=2)
+    # Spans 80 and 90 us; busy 73 and 84 (the overlap counted once); idle 7 and 6.
+    first = text.splitlines()[0]
+    assert "span 85.0 us" in first and "GPU busy 78.5 us" in first, first
+    assert "idle 6.5 us" in first and "(2.5 before its first kernel)" in first, first
+    rows = text.splitlines()[1:]
+    assert rows[0].split() == ["4.0", "us", "a", "step", "1.0", "x", "attention", "->", "gemm_b"]
+    assert rows[1].split()[:6] == ["2.5", "us", "a", "step", "0.5", "x"]
+    assert rows[1].endswith("_row_argmax_kernel -> gemm_a")
+    with pytest.raises(SystemExit, match="expected 3 argmax kernels"):
+        profile_decode.decode_timeline(SimpleNamespace(events=lambda: events[:-1]), steps=2)
