@@ -1,7 +1,11 @@
 """A step launches without waiting for the device: with CUDA sync debugging set to "error",
-every host sync inside `execute_model` (a blocking or pageable copy, `.item()`, `nonzero`)
-raises. Such a sync makes the host wait for the previous step's kernels, so the GPU idles while
-the next step is prepared; async scheduling only pays off without them."""
+every host sync inside `execute_model` that PyTorch sees (a blocking copy, `.item()`,
+`nonzero`) raises. Such a sync makes the host wait for the previous step's kernels, so the GPU
+idles while the next step is prepared; async scheduling only pays off without them.
+
+PyTorch does not see every wait: a `non_blocking` copy from pageable host memory lets the CUDA
+driver wait for the stream to drain. So each checked step also starts behind a GPU sleep of
+about a tenth of a second, and the stream must still be busy when `execute_model` returns."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from v1_engine import LLM, SamplingParams
 pytestmark = pytest.mark.gpu
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a", "1, 2, 3,"]
+SLEEP_CYCLES = 200_000_000
+"""About 0.1 s at the H100 / H200 clocks: far longer than a step's host work after warm-up."""
 
 
 @pytest.fixture(scope="module")
@@ -40,26 +46,42 @@ def test_steps_launch_without_a_host_sync(model_dir, level):
     sampled = SamplingParams(
         temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, max_tokens=12, ignore_eos=True
     )
+    # Penalties and min_tokens copy their own host tensors (token ids, suppressed pairs).
+    penalized = SamplingParams(
+        temperature=0.8,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=0.2,
+        min_tokens=12,
+        stop_token_ids=[5],
+        max_tokens=12,
+        ignore_eos=True,
+    )
     llm.generate(PROMPTS, greedy, use_tqdm=False)  # warm-up: first-call work may sync
 
     execute = runner.execute_model
     calls = []
+    waited = []
 
     def checked(scheduler_output):
+        torch.cuda._sleep(SLEEP_CYCLES)
         torch.cuda.set_sync_debug_mode("error")
         try:
             step = execute(scheduler_output)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        if torch.cuda.current_stream().query():  # the sleep is over: the host waited for it
+            waited.append(scheduler_output.total_num_scheduled_tokens)
         calls.append(scheduler_output.total_num_scheduled_tokens)
         return step
 
     runner.execute_model = checked
     try:
-        for params in (greedy, sampled):
+        for params in (greedy, sampled, penalized):
             outputs = llm.generate(PROMPTS, params, use_tqdm=False)
             assert [len(o.outputs[0].token_ids) for o in outputs] == [12] * len(PROMPTS)
     finally:
         runner.execute_model = execute
     # Both prefill steps and decode steps went through the check.
     assert max(calls) > len(PROMPTS) and min(calls) <= len(PROMPTS)
+    assert not waited, f"{len(waited)} of {len(calls)} steps waited for the GPU (tokens: {waited})"

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from v1_engine.sample.metadata import SamplingMetadata, pad_token_ids
+from v1_engine.sample.metadata import SamplingMetadata, pad_token_ids, to_device
 
 
 def apply_min_tokens(logits: torch.Tensor, suppressed: dict[int, set[int]]) -> torch.Tensor:
@@ -20,7 +20,7 @@ def apply_min_tokens(logits: torch.Tensor, suppressed: dict[int, set[int]]) -> t
     if not suppressed:
         return logits
     pairs = [(row, token_id) for row, ids in suppressed.items() for token_id in ids]
-    index = torch.tensor(pairs, dtype=torch.int64).to(logits.device, non_blocking=True)
+    index = to_device(torch.tensor(pairs, dtype=torch.int64), logits.device)
     logits[index[:, 0], index[:, 1]] = float("-inf")
     return logits
 
