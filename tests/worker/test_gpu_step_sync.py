@@ -3,9 +3,11 @@ every host sync inside `execute_model` that PyTorch sees (a blocking copy, `.ite
 `nonzero`) raises. Such a sync makes the host wait for the previous step's kernels, so the GPU
 idles while the next step is prepared; async scheduling only pays off without them.
 
-PyTorch does not see every wait: a `non_blocking` copy from pageable host memory lets the CUDA
-driver wait for the stream to drain. So each checked step also starts behind a GPU sleep of
-about a tenth of a second, and the stream must still be busy when `execute_model` returns."""
+Sync debugging sees only the syncs PyTorch makes itself, not a wait on an event recorded after
+this step's work. So each checked step also starts behind a GPU sleep of about a tenth of a
+second, and the stream must still be busy when `execute_model` returns: the host waited for
+nothing queued after the previous step. The penalized requests run min_tokens, whose
+suppressed tokens once went in with a blocking scalar copy."""
 
 from __future__ import annotations
 

@@ -127,7 +127,7 @@ def pad_token_ids(
     for row, ids in enumerate(token_ids):
         if ids:
             padded[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
-    return to_device(padded, device)
+    return padded.to(device, non_blocking=True)
 
 
 def _effective_top_k(top_k: int, vocab_size: int) -> int:
@@ -135,19 +135,8 @@ def _effective_top_k(top_k: int, vocab_size: int) -> int:
     return vocab_size if top_k <= 0 else min(top_k, vocab_size)
 
 
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` (a CPU tensor) on `device`, without making the host wait for the GPU. A copy from
-    pageable memory lets the CUDA driver wait for the stream to drain first: with async
-    scheduling the host would wait out the step's whole forward there, and the next step's
-    launch would find the GPU idle. So a CUDA copy goes through pinned memory (PyTorch's
-    caching host allocator holds the pinned block until the copy has run)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return to_device(torch.tensor(values, dtype=dtype), device)
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _optional(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from v1_engine.sample.metadata import SamplingMetadata, pad_token_ids, to_device
+from v1_engine.sample.metadata import SamplingMetadata, pad_token_ids
 
 
 def apply_min_tokens(logits: torch.Tensor, suppressed: dict[int, set[int]]) -> torch.Tensor:
@@ -20,8 +20,10 @@ def apply_min_tokens(logits: torch.Tensor, suppressed: dict[int, set[int]]) -> t
     if not suppressed:
         return logits
     pairs = [(row, token_id) for row, ids in suppressed.items() for token_id in ids]
-    index = to_device(torch.tensor(pairs, dtype=torch.int64), logits.device)
-    logits[index[:, 0], index[:, 1]] = float("-inf")
+    index = torch.tensor(pairs, dtype=torch.int64).to(logits.device, non_blocking=True)
+    # The value as a tensor on the logits' device: `logits[rows, cols] = float("-inf")` copies a
+    # host scalar to the device with a blocking copy, a host sync in every min_tokens step.
+    logits.index_put_((index[:, 0], index[:, 1]), logits.new_full((), float("-inf")))
     return logits
 
 
