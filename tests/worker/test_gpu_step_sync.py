@@ -59,7 +59,10 @@ def test_steps_launch_without_a_host_sync(model_dir, level):
         max_tokens=12,
         ignore_eos=True,
     )
-    llm.generate(PROMPTS, greedy, use_tqdm=False)  # warm-up: first-call work may sync
+    # Warm-up, every kind of request once: a kernel's first launch loads its module (CUDA's lazy
+    # loading), which may wait for the device; that is once per process, not per step.
+    for params in (greedy, sampled, penalized):
+        llm.generate(PROMPTS, params, use_tqdm=False)
 
     execute = runner.execute_model
     calls = []
