@@ -221,3 +221,8 @@ def test_tokenize_detokenize_roundtrip(server, auth_headers):
     assert tokens["max_model_len"] == 2048
     text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()
     assert text["prompt"] == "Hello world"
+    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": [1, 10**9, -1]})
+    assert bad.status_code == 400
+    error = bad.json()["error"]
+    assert error["param"] == "tokens" and error["type"] == "invalid_request_error"
+    assert error["message"] == "tokens must be token ids in [0, 49152), got [1000000000, -1]"

@@ -192,7 +192,7 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         served.check_model(body.model)
-        served.check_token_ids(body.tokens)
+        served.check_token_ids(body.tokens, field="tokens")
         return DetokenizeResponse(prompt=served.tokenizer.decode(body.tokens))
 
 

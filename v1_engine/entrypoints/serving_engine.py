@@ -78,13 +78,12 @@ class OpenAIServing:
             raise APIError("prompt must not be an empty list of token ids", param="prompt")
         return list(prompt)
 
-    def check_token_ids(self, token_ids: list[int]) -> None:
+    def check_token_ids(self, token_ids: list[int], field: str) -> None:
+        """Every id in [0, vocabulary size), else a 400 naming `field`, the request's field."""
         vocab = len(self.tokenizer)
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
-            raise APIError(
-                f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", param="prompt"
-            )
+            raise APIError(f"{field} must be token ids in [0, {vocab}), got {bad[:5]}", param=field)
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None) is None:
