@@ -7,7 +7,7 @@ into 32 pieces:
   (`fp8.scaled_mm`: the tuned skinny kernel at M = 1), as the engine runs o_proj by default;
 - "chain, weight-only": the merge kernel, then `fp8_weight_only_gemm` on the bf16 attention
   output (the opt-in fp8_dynamic_linear pass);
-- "fused": `merge_linear` (DEFAULT_LAUNCH; `--sweep` also times every chunk x block_n x warps).
+- "fused": `merge_linear` (DEFAULT_LAUNCH; `--sweep` also times every chunk x block_n x stages x warps).
 
 Each variant runs CALLS times in one CUDA graph over WEIGHT_COPIES weight copies (more bytes than
 L2 holds) and as many sets of partials, PDL as in the engine; us a call, median of do_bench.
@@ -112,9 +112,10 @@ def main() -> None:
     rows = [("chain (merge, quant, scaled_mm)", chain), ("chain, weight-only", chain_weight_only),
             ("fused, default launch", fused)]  # fmt: skip
     if args.sweep:
-        for chunk, block_n, warps in itertools.product((128, 256, 512, 1024), (32, 64), (4, 8)):
+        grid = itertools.product((128, 256, 512, 1024), (32, 64), (2, 4), (4, 8))
+        for chunk, block_n, stages, warps in grid:
             if block_n <= chunk:
-                launch = {"chunk": chunk, "block_n": block_n, "num_warps": warps}
+                launch = {"chunk": chunk, "block_n": block_n, "stages": stages, "num_warps": warps}
                 rows.append((f"fused {launch}", lambda ops, launch=launch: fused(ops, **launch)))
     print(
         f"| variant | us a call | weight bytes / s |  (tokens {args.tokens}, {args.splits} pieces)"

@@ -128,6 +128,8 @@ def test_bad_arguments_name_the_field():
         ml.resolve_launch({"tile": 4})
     with pytest.raises(ValueError, match="chunk must be a power of two, got 96"):
         ml.resolve_launch({"chunk": 96})
+    with pytest.raises(ValueError, match="stages must be >= 1, got 0"):
+        ml.resolve_launch({"stages": 0})
     with pytest.raises(ValueError, match="block_n .128. must not exceed chunk .64."):
         ml.resolve_launch({"chunk": 64, "block_n": 128})
 

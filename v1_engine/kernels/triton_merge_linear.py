@@ -34,10 +34,10 @@ from v1_engine.kernels.semaphores import split_semaphores
 from v1_engine.kernels.triton_fused_quant import _round_to
 from v1_engine.kernels.triton_gemv_fp8 import FP8_DTYPE, _to_f32
 
-DEFAULT_LAUNCH: dict[str, int] = {"chunk": 512, "block_n": 64, "num_warps": 4}
+DEFAULT_LAUNCH: dict[str, int] = {"chunk": 512, "block_n": 64, "stages": 3, "num_warps": 4}
 """Output rows per program (`chunk`: 8 chunks x 32 heads = 256 programs for Llama-3-8B's
-o_proj), rows per step of a program's walk over them (`block_n`: a [block_n, D] weight tile in
-registers), warps. Not yet swept."""
+o_proj), rows per step of a program's walk over them (`block_n`: a [block_n, D] weight tile),
+weight tiles in flight (`stages`: Triton's software pipeline), warps. Not yet swept."""
 
 LAUNCH_KEYS = tuple(DEFAULT_LAUNCH)
 
@@ -62,6 +62,7 @@ def _merge_linear_kernel(
     SPLITS_PAD: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
     SCALE_PER_ROW: tl.constexpr,
     DOT_F32: tl.constexpr,
     HW: tl.constexpr,
@@ -94,7 +95,7 @@ def _merge_linear_kernel(
     # This head's share of rows [chunk * CHUNK, +CHUNK) of y, in float32.
     k_cols = head * HEAD_SIZE + dims
     partial_row = partial_ptr + (token * NUM_HEADS + head) * N
-    for n0 in tl.static_range(0, CHUNK, BLOCK_N):
+    for n0 in tl.range(0, CHUNK, BLOCK_N, num_stages=STAGES):
         rows = chunk * CHUNK + n0 + tl.arange(0, BLOCK_N)
         row_valid = rows < N
         w = tl.load(
@@ -142,6 +143,8 @@ def resolve_launch(launch: dict[str, int] | None = None) -> dict[str, int]:
         value = config[key]
         if value < 1 or value & (value - 1):
             raise ValueError(f"{key} must be a power of two, got {value}")
+    if config["stages"] < 1:
+        raise ValueError(f"stages must be >= 1, got {config['stages']}")
     if config["block_n"] > config["chunk"]:
         raise ValueError(f"block_n ({config['block_n']}) must not exceed chunk ({config['chunk']})")
     if config["num_warps"] not in (1, 2, 4, 8, 16):
@@ -221,6 +224,7 @@ def merge_linear(
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         CHUNK=chunk,
         BLOCK_N=config["block_n"],
+        STAGES=config["stages"],
         SCALE_PER_ROW=scale_b.numel() > 1,
         DOT_F32=interpreting(),
         HW=not interpreting(),
