@@ -10,7 +10,8 @@ into 32 pieces:
 - "fused": `merge_linear` (DEFAULT_LAUNCH; `--sweep` also times every chunk x block_n x stages x warps).
 
 Each variant runs CALLS times in one CUDA graph over WEIGHT_COPIES weight copies (more bytes than
-L2 holds) and as many sets of partials, PDL as in the engine; us a call, median of do_bench.
+L2 holds) and as many sets of partials, PDL as in the engine; us a call, the median of 10 replays
+(bench_utils.graph_time_ms).
 
     python benchmarks/benchmark_merge_linear.py [--tokens 1] [--splits 32] [--sweep]
 
@@ -23,7 +24,7 @@ import argparse
 import itertools
 
 import torch
-import triton
+from bench_utils import graph_time_ms
 
 from v1_engine.kernels import fp8, triton_merge_linear
 from v1_engine.kernels.triton_gemv_fp8 import FP8_DTYPE
@@ -74,20 +75,9 @@ def fused(ops: dict, **launch: int) -> torch.Tensor:
 
 
 def graph_us(call, copies: list[dict]) -> float:
-    """Device microseconds per call, CALLS calls over the copies in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for ops in copies[:2]:
-            call(ops)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            call(copies[i % len(copies)])
-    ms = triton.testing.do_bench(graph.replay, warmup=5, rep=30)
-    del graph
-    return ms * 1e3 / CALLS
+    """Device microseconds per call, CALLS calls over the copies in turn in one CUDA graph."""
+    turn = itertools.cycle(copies)
+    return 1e3 * graph_time_ms(lambda: call(next(turn)), calls=CALLS)
 
 
 def main() -> None:

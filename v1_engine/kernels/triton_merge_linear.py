@@ -33,6 +33,7 @@ from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
 from v1_engine.kernels.triton_fused_quant import _round_to
 from v1_engine.kernels.triton_gemv_fp8 import FP8_DTYPE, _to_f32
+from v1_engine.kernels.triton_split_kv import merge_head
 
 DEFAULT_LAUNCH: dict[str, int] = {"chunk": 512, "block_n": 64, "stages": 3, "num_warps": 4}
 """Output rows per program (`chunk`: 8 chunks x 32 heads = 256 programs for Llama-3-8B's
@@ -74,21 +75,10 @@ def _merge_linear_kernel(
     out_dtype = y_ptr.dtype.element_ty
     pdl_wait(PDL)
 
-    # The merge of head `head`'s pieces, as kernels/triton_split_kv.py's merge kernel.
-    splits = tl.arange(0, SPLITS_PAD)
-    split_valid = splits < num_splits
-    stat_off = (token * NUM_HEADS + head) * num_splits + splits
-    m = tl.load(part_max_ptr + stat_off, mask=split_valid, other=-1.0e30)
-    l_sum = tl.load(part_sum_ptr + stat_off, mask=split_valid, other=0.0)
-    weights = tl.exp2(m - tl.max(m, 0)) * l_sum
-    total = tl.sum(weights, 0)
+    # The merge of head `head`'s pieces, as the merge kernel does it.
+    merged = merge_head(part_out_ptr, part_max_ptr, part_sum_ptr, token, head, num_splits,
+                        NUM_HEADS, HEAD_PAD, SPLITS_PAD)  # fmt: skip
     dims = tl.arange(0, HEAD_PAD)
-    parts = tl.load(
-        part_out_ptr + stat_off[:, None] * HEAD_PAD + dims[None, :],
-        mask=split_valid[:, None],
-        other=0.0,
-    )
-    merged = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     dim_valid = dims < HEAD_SIZE
     a = tl.where(dim_valid, _round_to(merged, out_dtype, HW), 0.0)
 
