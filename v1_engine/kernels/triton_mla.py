@@ -62,7 +62,7 @@ from v1_engine.kernels.mla_launch import (
 )
 from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
-from v1_engine.kernels.triton_split_kv import split_tile_range
+from v1_engine.kernels.triton_split_kv import merge_latent_pieces, split_tile_range
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -356,7 +356,7 @@ def _mla_decode_kernel(
         tl.debug_barrier()
         semaphore = arrivals_ptr + req * tl.num_programs(0) + tl.program_id(0)
         if tl.atomic_add(semaphore, 1, sem="acq_rel") == num_splits - 1:
-            _merge_splits(
+            merge_latent_pieces(
                 out_ptr, part_out_ptr, part_lse_ptr, token, req, heads, head_valid,
                 v_slice * BLOCK_V, num_splits, stride_ot, stride_oh, NUM_HEADS, RANK, RANK_PAD,
                 BLOCK_H, BLOCK_V, SPLITS_PAD,
@@ -367,86 +367,6 @@ def _mla_decode_kernel(
             out_ptr + token * stride_ot + heads[:, None] * stride_oh + v_dims[None, :],
             result.to(out_ptr.dtype.element_ty),
             mask=head_valid[:, None] & v_valid[None, :],
-        )
-
-
-@triton.jit
-def _merge_splits(
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    token,
-    req,
-    heads,
-    head_valid,
-    v_start,
-    num_splits,
-    stride_ot,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    RANK: tl.constexpr,
-    RANK_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    """out[token, h] = sum_s 2^(lse_s - max lse) * o_s / sum_s 2^(lse_s - max lse) for the
-    program's heads and its value dims [v_start, v_start + BLOCK_V), in a fixed order
-    (deterministic whichever split arrives last), 128 dims at a time (the program's own
-    accumulator is dead by now, but a 64-head tile's whole [64, 512] would be a second one).
-    Loading every split's piece of a chunk at once ([SPLITS_PAD, BLOCK_H, 128]) measured far
-    slower on the H200 (125 vs 88 us a 64 x 4k step; RESULTS.md); up to 8 splits the loop over
-    the pieces is unrolled instead (separate 2-D loads, weights from the one lse load): 85.8 vs
-    86.7 us."""
-    splits = tl.arange(0, SPLITS_PAD)
-    stat_base = (req.to(tl.int64) * NUM_HEADS + heads) * num_splits
-    lse = tl.load(
-        part_lse_ptr + stat_base[:, None] + splits[None, :],
-        mask=head_valid[:, None] & (splits[None, :] < num_splits),
-        other=float("-inf"),
-        cache_modifier=".cg",
-    )
-    # Padding heads see only -inf: a finite max keeps their (unstored) rows free of NaN.
-    lse_max = tl.max(lse, 1)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weights = tl.exp2(lse - lse_max[:, None])  # [BLOCK_H, SPLITS_PAD]; 0 past num_splits
-    total = tl.sum(weights, 1)
-    total = tl.where(total > 0.0, total, 1.0)
-    CHUNK: tl.constexpr = 128 if BLOCK_V > 128 else BLOCK_V  # noqa: FURB136 (a constexpr)
-    for v0 in tl.static_range(0, BLOCK_V, CHUNK):
-        dims = v_start + v0 + tl.arange(0, CHUNK)
-        acc = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
-        if SPLITS_PAD <= 8:
-            # Unrolled: a chunk's pieces are independent loads in flight together, one trip
-            # to L2 a chunk instead of one a piece.
-            for s in tl.static_range(SPLITS_PAD):
-                part = tl.load(
-                    part_out_ptr + (stat_base + s)[:, None] * RANK_PAD + dims[None, :],
-                    mask=(head_valid & (tl.full([BLOCK_H], s, tl.int32) < num_splits))[:, None],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                weight = tl.sum(tl.where(splits[None, :] == s, weights, 0.0), 1)
-                acc += weight[:, None] * part
-        else:
-            for s in range(num_splits):
-                lse_s = tl.load(
-                    part_lse_ptr + stat_base + s,
-                    mask=head_valid,
-                    other=float("-inf"),
-                    cache_modifier=".cg",
-                )
-                part = tl.load(
-                    part_out_ptr + (stat_base + s)[:, None] * RANK_PAD + dims[None, :],
-                    mask=head_valid[:, None],
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                acc += tl.exp2(lse_s - lse_max)[:, None] * part
-        tl.store(
-            out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-            (acc / total[:, None]).to(out_ptr.dtype.element_ty),
-            mask=head_valid[:, None] & (dims < RANK)[None, :],
         )
 
 
