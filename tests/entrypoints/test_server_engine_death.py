@@ -53,8 +53,10 @@ def test_engine_core_death_fails_requests_and_exits_nonzero():
         try:
             health = httpx.get(f"{server.url}/health", timeout=5)
             assert health.status_code == 503
-        except httpx.ConnectError:
-            pass  # already gone: the watchdog was faster than us
+        except (httpx.ConnectError, httpx.RemoteProtocolError):
+            # Already gone, or going: the watchdog was faster than us. A connection the server
+            # accepted as it shut down is closed without a response.
+            pass
         server.process.wait(timeout=30)
         assert server.process.returncode == 1, server.log()
         assert "engine core died" in server.log()
