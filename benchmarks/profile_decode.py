@@ -43,6 +43,19 @@ def gpu_kernel_ms(prof: profile) -> float:
     return sum(e.device_time for e in _device_events(prof)) / 1e3
 
 
+def _step_ends(prof: profile, steps: int) -> tuple[list, list[int]]:
+    """The trace's device events and the indices of its argmax kernels, one a step: the prefill
+    step's, then `steps` decode steps' (see decode_kernels_per_step)."""
+    events = _device_events(prof)
+    ends = [i for i, e in enumerate(events) if "ArgMax" in e.name or "_row_argmax" in e.name]
+    if len(ends) != steps + 1:
+        raise SystemExit(
+            f"expected {steps + 1} argmax kernels (one a step), found {len(ends)}: the trace "
+            "cannot be cut into steps"
+        )
+    return events, ends
+
+
 def decode_kernels_per_step(prof: profile, steps: int) -> str:
     """Per decode step: each kernel's device time and launches over the trace's last `steps`
     steps, largest first. Every step ends with its greedy sampling's argmax kernel (torch's
@@ -50,13 +63,7 @@ def decode_kernels_per_step(prof: profile, steps: int) -> str:
     kernels after the first argmax (the prefill step's) and up to the last are the decode
     steps'. (Subtracting a separate prefill-only trace instead failed for long prompts: at 64
     x 1k tokens the prefill's run-to-run spread, ~12 ms, swamped a few decode steps.)"""
-    events = _device_events(prof)
-    ends = [i for i, e in enumerate(events) if "ArgMax" in e.name or "_row_argmax" in e.name]
-    if len(ends) != steps + 1:
-        raise SystemExit(
-            f"expected one argmax kernel per step ({steps + 1}), found {len(ends)}: "
-            "the trace cannot be cut into steps"
-        )
+    events, ends = _step_ends(prof, steps)
     totals: dict[str, tuple[float, int]] = {}
     for event in events[ends[0] + 1 : ends[-1] + 1]:
         us, calls = totals.get(event.name, (0.0, 0))
@@ -76,10 +83,7 @@ def decode_timeline(prof: profile, steps: int) -> str:
     ran nothing. Idle time inside the step's graph is launch latency or a dependency bubble;
     idle time before the step's first kernel is the GPU waiting for the host. The largest gaps
     are listed by the pair of kernels around them."""
-    events = _device_events(prof)
-    ends = [i for i, e in enumerate(events) if "ArgMax" in e.name or "_row_argmax" in e.name]
-    if len(ends) != steps + 1:
-        raise SystemExit(f"expected {steps + 1} argmax kernels, found {len(ends)}")
+    events, ends = _step_ends(prof, steps)
     span = busy = before_first = 0.0
     gaps: dict[tuple[str, str], list[float]] = {}
     for a, b in itertools.pairwise(ends):

@@ -68,14 +68,6 @@ def test_matches_reference_interpreted(out_dtype, per_row):
     assert not split_semaphores(torch.device("cpu"), 6)[:6].any()
 
 
-def merged_attention(part_out, part_max, part_sum, out_dtype):
-    """The merge in float32, rounded to out_dtype: the attention output the chain's GEMM reads.
-    (Under the interpreter the merge kernel's cast truncates, where the GPU's rounds.)"""
-    weights = torch.exp2(part_max - part_max.amax(dim=2, keepdim=True)) * part_sum
-    merged = (part_out * weights[..., None]).sum(dim=2) / weights.sum(dim=2)[..., None]
-    return merged.to(out_dtype).reshape(part_out.shape[0], -1)
-
-
 @interpreter_only
 def test_matches_the_chain_it_replaces_interpreted():
     """The merge, then the weight-only FP8 GEMM (fp8_dynamic_linear's o_proj)."""
@@ -85,7 +77,8 @@ def test_matches_the_chain_it_replaces_interpreted():
     b, scale = weight(64, 4 * 32, seed=4)
     y = ml.merge_linear(part_out, part_max, part_sum, 32, b, scale, torch.bfloat16, chunk=32,
                         block_n=16)  # fmt: skip
-    attention = merged_attention(part_out, part_max, part_sum, torch.bfloat16)
+    # The torch merge: under the interpreter the merge kernel's cast truncates.
+    attention = ml.merge_reference(part_out, part_max, part_sum, 32, torch.bfloat16)
     assert_close_to_reference(y, fp8_weight_only_gemm(attention, b, scale))
 
 

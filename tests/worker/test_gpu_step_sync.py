@@ -61,7 +61,8 @@ def test_steps_launch_without_a_host_sync(model_dir, level):
     )
     # Warm-up, every kind of request once: a kernel's first launch loads its module (CUDA's lazy
     # loading), which may wait for the device; that is once per process, not per step.
-    for params in (greedy, sampled, penalized):
+    kinds = (greedy, sampled, penalized)
+    for params in kinds:
         llm.generate(PROMPTS, params, use_tqdm=False)
 
     execute = runner.execute_model
@@ -82,7 +83,7 @@ def test_steps_launch_without_a_host_sync(model_dir, level):
 
     runner.execute_model = checked
     try:
-        for params in (greedy, sampled, penalized):
+        for params in kinds:
             outputs = llm.generate(PROMPTS, params, use_tqdm=False)
             assert [len(o.outputs[0].token_ids) for o in outputs] == [12] * len(PROMPTS)
     finally:

@@ -236,12 +236,23 @@ def merge_linear_reference(
     """The module's formula in PyTorch: the merge in float32, the attention output rounded to
     out_dtype, the product in float64 (the exact value the kernel's float32 sums round)."""
     _check(part_out, part_max, part_sum, head_size, b, scale_b, out_dtype)
-    tokens, heads = part_out.shape[:2]
+    a = merge_reference(part_out, part_max, part_sum, head_size, out_dtype).double()
+    y = (a @ b.double().t()) * scale_b.reshape(-1).double()
+    return y.to(out_dtype)
+
+
+def merge_reference(
+    part_out: torch.Tensor,
+    part_max: torch.Tensor,
+    part_sum: torch.Tensor,
+    head_size: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The merge in PyTorch, float32: the attention output [T, H * head_size] in out_dtype, as
+    the merge kernel stores it on the GPU (whose cast rounds; the interpreter's truncates)."""
     m = part_max.float()
     weights = torch.exp2(m - m.amax(dim=2, keepdim=True)) * part_sum.float()
     total = weights.sum(dim=2, keepdim=True)
     parts = part_out[..., :head_size].float()
     merged = (parts * weights[..., None]).sum(dim=2) / torch.where(total > 0, total, 1.0)
-    a = merged.to(out_dtype).reshape(tokens, heads * head_size).double()
-    y = (a @ b.double().t()) * scale_b.reshape(-1).double()
-    return y.to(out_dtype)
+    return merged.to(out_dtype).reshape(part_out.shape[0], -1)
