@@ -82,6 +82,7 @@ def prepare_step_inputs(
         feed_rows["feed_rows"] = np.full(total, -1, dtype=np.int64)
         feed_rows["feed_rows"][feed_dst] = feed_src
 
+    cu32, seq_lens32 = cu.astype(np.int32), seq_lens.astype(np.int32)
     # Every index the step needs on the device rides in this one pinned, non-blocking
     # staging: a pageable or blocking copy here would wait for the previous step's kernels
     # and leave the GPU idle while the host prepares the next step.
@@ -89,8 +90,8 @@ def prepare_step_inputs(
         input_ids=input_ids,
         positions=positions,
         slot_mapping=slots,
-        query_start_loc=cu.astype(np.int32),
-        seq_lens=seq_lens.astype(np.int32),
+        query_start_loc=cu32,
+        seq_lens=seq_lens32,
         block_table=block_table,
         logits_idx=logits_idx,
         feed_dst=feed_dst,
@@ -104,7 +105,7 @@ def prepare_step_inputs(
         sample_idx=sample_idx,
         input_ids=staged["input_ids"],
         positions=staged["positions"],
-        metadata=_attention_metadata(staged, cu, seq_lens, max_query_len),
+        metadata=_attention_metadata(staged, cu32, seq_lens32, max_query_len),
         logits_idx=staged["logits_idx"],
         logits_prefix=logits_prefix,
         feed_dst=staged["feed_dst"] if len(feed_dst) else None,
@@ -117,7 +118,7 @@ def _attention_metadata(
     staged: dict[str, torch.Tensor], cu: np.ndarray, seq_lens: np.ndarray, max_query_len: int
 ) -> AttentionMetadata:
     """The step's paging metadata: the staged device tensors, with host copies of the query
-    starts and sequence lengths."""
+    starts and sequence lengths (int32, the dtype staged)."""
     return AttentionMetadata(
         num_actual_tokens=int(cu[-1]),
         query_start_loc=staged["query_start_loc"],
@@ -126,8 +127,8 @@ def _attention_metadata(
         slot_mapping=staged["slot_mapping"],
         max_query_len=max_query_len,
         max_seq_len=int(seq_lens.max()),
-        query_start_loc_cpu=torch.from_numpy(cu.astype(np.int32)),
-        seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
+        query_start_loc_cpu=torch.from_numpy(cu),
+        seq_lens_cpu=torch.from_numpy(seq_lens),
     )
 
 
