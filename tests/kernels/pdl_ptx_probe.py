@@ -32,7 +32,6 @@ from v1_engine.kernels import (
     triton_gemv,
     triton_gemv_fp8,
     triton_gemv_fp8_decode,
-    triton_merge_linear,
     triton_mla,
     triton_moe,
     triton_quant,
@@ -140,10 +139,6 @@ def _launch_all() -> None:
             num_splits=2,
             launch={"fused_merge": fused},
         )
-    part_out = torch.randn(1, 4, 2, 64)
-    triton_merge_linear.merge_linear(
-        part_out, torch.zeros(1, 4, 2), torch.ones(1, 4, 2), 64, b8[:, :256], torch.ones(128), bf16
-    )
     heads, rank, rope = 16, 64, 16
     latent_cache = torch.zeros(4, 16, rank + rope, dtype=bf16)
     triton_cache.write_latent_cache(

@@ -16,7 +16,6 @@ PDL_KERNELS = {
     "_fp8_decode_kernel",
     "_fp8_skinny_kernel",
     "_group_quant_kernel",
-    "_merge_linear_kernel",
     "_merge_splits_kernel",
     "_mla_decode_kernel",
     "_moe_align_kernel",
@@ -39,7 +38,6 @@ LATE_RELEASE = {
     "_paged_attention_kernel",
     "_mla_decode_kernel",
     "_moe_gemm_kernel",
-    "_merge_linear_kernel",
 }
 """Long kernels: they let their dependents launch after their main loop, not at their start."""
 LOADS_BEFORE_WAIT = {"_paged_attention_kernel", "_add_rms_norm_kernel", "_rms_norm_quant_kernel"}

@@ -6,7 +6,7 @@ piece's partial, and the merges of the partials:
   its own softmax sum, with its running max and sum, [tokens, heads, num_splits, HEAD_PAD] and
   [tokens, heads, num_splits] float32; merged by the last piece to arrive inside the launch
   (`merge_pieces_in_program`) or by a second kernel (`merge_pieces`; one head's merge is
-  `merge_head`, which kernels/triton_merge_linear.py shares);
+  `merge_head`);
 - MLA decode (kernels/triton_mla.py): normalised outputs [reqs, heads, num_splits, RANK_PAD]
   with their log-sum-exps, merged by the kernel's last piece to arrive (`merge_latent_pieces`).
 """
@@ -87,8 +87,7 @@ def merge_head(part_out_ptr, part_max_ptr, part_sum_ptr, token, head, num_splits
                NUM_HEADS: tl.constexpr, HEAD_PAD: tl.constexpr,
                SPLITS_PAD: tl.constexpr):  # fmt: skip
     """The merged [HEAD_PAD] float32 output of (token, head) from all its pieces' partials,
-    every piece loaded at once: sum_s w_s * o_s / sum_s w_s, w_s = l_s * 2^(m_s - max_s m_s).
-    Shared with kernels/triton_merge_linear.py."""
+    every piece loaded at once: sum_s w_s * o_s / sum_s w_s, w_s = l_s * 2^(m_s - max_s m_s)."""
     splits = tl.arange(0, SPLITS_PAD)
     split_valid = splits < num_splits
     stat_off = (token * NUM_HEADS + head) * num_splits + splits
