@@ -15,9 +15,9 @@
 # file (GEMM_TABLES, default $LOG_DIR/fp8_decode.json); `fp8ab` FP8 batch-1 decode without and
 # with that file (and with the opt-in decode passes), alternating, and the per-shape FP8 GEMM
 # table at M = 1 without and with it (bring the file back as GEMM_TABLES); `fp8goal` bf16 and
-# FP8 batch 1 (also with fp8_dynamic_linear, and with the FP8 LM head), each in GOAL_PROCS
+# FP8 batch 1 (also without fp8_dynamic_linear, and with the FP8 LM head), each in GOAL_PROCS
 # processes.
-# `modes` profiles batch 1 (bf16, FP8, FP8 + fp8_dynamic_linear) in GOAL_PROCS rounds, one process
+# `modes` profiles batch 1 (bf16, FP8, FP8 without fp8_dynamic_linear) in GOAL_PROCS rounds, one process
 # each, for the per-process slow mode: a slow process whose kernel sum stays is waiting on the
 # host. `mergeab` times decode at batch 4 / 8 with long contexts with the split-KV merge in the
 # attention launch and with the merge kernel (FUSED_MERGE_MAX_SPLITS patched to 0), alternating.
@@ -160,7 +160,7 @@ fi
 if [[ " $STAGES " == *" fp8ab "* ]]; then
   [ -f "$TABLES" ] || { echo "fp8ab: no table file $TABLES (run the fp8decode stage)"; exit 1; }
   ab="--quantization fp8 --batch-sizes 1 --prefill-lens '' --decode-steps 64 --repeats 2"
-  passes="--add-fusion-passes fp8_gated_mlp,fp8_dynamic_linear"
+  passes="--add-fusion-passes fp8_gated_mlp"
   for variant in "" "--gemm-tables $TABLES" "--gemm-tables $TABLES $passes" ""; do
     echo "### variant: ${variant:-base}" | tee -a "$LOG_DIR/fp8ab.log"
     eval python3 benchmarks/latency.py --model "$MODEL" "$ab" "$variant" 2>&1 \
@@ -185,7 +185,7 @@ if [[ " $STAGES " == *" fp8goal "* ]]; then
   # times"): compare the rounds, not single runs.
   one="--batch-sizes 1 --prefill-lens '' --decode-steps 64 --repeats 2"
   for round in $(seq "${GOAL_PROCS:-2}"); do
-    for variant in "" "--quantization fp8" "--quantization fp8 --add-fusion-passes fp8_dynamic_linear" \
+    for variant in "" "--quantization fp8" "--quantization fp8 --drop-fusion-passes fp8_dynamic_linear" \
                    "--quantization fp8 --quantize-lm-head"; do
       echo "### round $round: ${variant:-bf16}" | tee -a "$LOG_DIR/fp8goal.log"
       eval python3 benchmarks/latency.py --model "$MODEL" "$one" "$variant" 2>&1 \
@@ -193,13 +193,13 @@ if [[ " $STAGES " == *" fp8goal "* ]]; then
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     done
   done
-  { echo; echo "## fp8 batch-1 goal (bf16, FP8, + fp8_dynamic_linear, + FP8 head; by round)"
+  { echo; echo "## fp8 batch-1 goal (bf16, FP8, without fp8_dynamic_linear, + FP8 head; by round)"
     grep -E "^### round|^\| 1 " "$LOG_DIR/fp8goal.log"; } >> "$summary"
 fi
 if [[ " $STAGES " == *" modes "* ]]; then
   for round in $(seq "${GOAL_PROCS:-2}"); do
     for variant in "" "--quantization fp8" \
-                   "--quantization fp8 --add-fusion-passes fp8_dynamic_linear"; do
+                   "--quantization fp8 --drop-fusion-passes fp8_dynamic_linear"; do
       echo "### round $round: ${variant:-bf16}" | tee -a "$LOG_DIR/modes.log"
       # SM clock and power sampled every 200 ms while the process runs: a slow process at
       # full clocks is not throttled.

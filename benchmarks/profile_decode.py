@@ -192,6 +192,11 @@ def main() -> None:
         help="comma-separated fusion passes on top of the default set (as latency.py)",
     )
     parser.add_argument(
+        "--drop-fusion-passes",
+        default=None,
+        help="comma-separated fusion passes left out of the default set (as latency.py)",
+    )
+    parser.add_argument(
         "--gemm-tables", default=None, help="a GEMM dispatch entry file to add (as latency.py)"
     )
     args = parser.parse_args()
@@ -218,7 +223,9 @@ def main() -> None:
         max_num_batched_tokens=max(max_len, 8192, max(batch_sizes) * args.input_len),
         max_num_seqs=max(batch_sizes),
         enable_prefix_caching=False,
-        compilation_config=compilation_config(args.compilation_level, None, args.add_fusion_passes),
+        compilation_config=compilation_config(
+            args.compilation_level, None, args.add_fusion_passes, args.drop_fusion_passes
+        ),
     )
     for batch in batch_sizes:
         profile_batch(llm, batch, args, shape.vocab, out_dir)

@@ -168,8 +168,8 @@ FUSION_PASSES = (
     "rms_norm_fp8_quant",
     "silu_and_mul_fp8_quant",
     "fp8_gated_mlp",
-    "fp8_dynamic_linear",
     "fp8_norm_linear",
+    "fp8_dynamic_linear",
     "skinny_silu_mul",
     "skinny_norm_linear",
     "fused_mlp",
@@ -179,7 +179,6 @@ FUSION_PASSES = (
 OPT_IN_FUSION_PASSES = (
     "skinny_add_rms_norm",
     "fused_mlp",
-    "fp8_dynamic_linear",
     "skinny_norm_linear",
 )
 """Passes applied only when `fusion_passes` names them: measured slower than the unfused ops
@@ -187,10 +186,10 @@ OPT_IN_FUSION_PASSES = (
 "Skinny GEMM epilogues"; the persistent fused MLP: 5-7% slower than the chain at M 16-64,
 "A decoder layer's MLP in one persistent kernel", and fused_mlp's op runs its kernel only
 where kernels/triton_mlp.TUNED_LAUNCH, empty, holds a launch). fp8_dynamic_linear (o_proj on
-the bf16 attention output) measured 3.373 -> 3.639 ms at FP8 batch 1 on an H100 once, then
-20-40 us faster in same-mode runs but 0.35-0.55 ms slower in two single runs out of three
-without the FP8 head: runs on the H100 are bimodal (bf16 too, without it), so it waits for
-the H200 ("Per-process bimodal step times", RESULTS.md). fp8_gated_mlp is on: 3.373 -> 3.287
+the bf16 attention output where the "weight_only" table holds the shape: M = 1 for
+Llama-3-8B) is on: 3.297 / 3.297 / 3.295 -> 3.285 ms a step at FP8 batch 1 on an H100, three
+alternating rounds of one process each (RESULTS.md, "The fused split-KV merge + FP8 o_proj
+measured"), and it drops the rounding of o_proj's input. fp8_gated_mlp is on: 3.373 -> 3.287
 ms there. fp8_norm_linear is on too (each layer's two add + RMSNorm kernels folded into the FP8
 GEMM after them where the "norm" / "norm_gated" tables hold the shape, M = 1 for Llama-3-8B):
 3.372 -> 3.297 ms at FP8 batch 1 on an H100 ("The add + RMSNorm folded into the FP8 GEMM

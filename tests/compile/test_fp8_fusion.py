@@ -101,7 +101,7 @@ def test_fp8_passes_on_tiny_llama_forward(tiny_llama_dir, names):
 
 
 def test_fp8_decode_passes_on_tiny_llama_forward(tiny_llama_dir):
-    """The opt-in decode passes after the quant fusions: per layer o_proj's lone quant + GEMM
+    """The FP8 decode passes after the quant fusions: per layer o_proj's lone quant + GEMM
     becomes one fp8_dynamic_linear and gate_up -> SiLU-and-mul + quant -> down one fp8_gated_mlp
     (through the float32 model's bf16 -> float32 cast); no activation quant is left outside a
     norm. On the CPU the ops run the quantized chain: logits bit-identical to the forward

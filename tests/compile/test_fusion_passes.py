@@ -115,15 +115,10 @@ def test_fusion_passes_default_by_device():
     from v1_engine.config import FUSION_PASSES, OPT_IN_FUSION_PASSES, CompilationConfig
 
     default = CompilationConfig().effective_fusion_passes("cuda")
-    assert OPT_IN_FUSION_PASSES == (
-        "skinny_add_rms_norm",
-        "fused_mlp",
-        "fp8_dynamic_linear",
-        "skinny_norm_linear",
-    )
+    assert OPT_IN_FUSION_PASSES == ("skinny_add_rms_norm", "fused_mlp", "skinny_norm_linear")
     assert default == [name for name in FUSION_PASSES if name not in OPT_IN_FUSION_PASSES]
     assert "skinny_silu_mul" in default and "fp8_gated_mlp" in default
-    assert "fp8_norm_linear" in default
+    assert "fp8_norm_linear" in default and "fp8_dynamic_linear" in default
     opt_in = CompilationConfig(fusion_passes=["skinny_add_rms_norm"])
     assert opt_in.effective_fusion_passes("cuda") == ["skinny_add_rms_norm"]
     assert CompilationConfig().effective_fusion_passes("cpu") == []

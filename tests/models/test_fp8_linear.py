@@ -401,7 +401,7 @@ FP8_DECODE_PASSES = ["rms_norm_fp8_quant", "silu_and_mul_fp8_quant", "fp8_gated_
 
 @pytest.mark.slow
 def test_fp8_decode_passes_in_a_compiled_cpu_engine(tmp_path, default_tokenizer):
-    """-O1 on the CPU with the opt-in FP8 decode passes: each layer's o_proj and MLP become the
+    """-O1 on the CPU with the FP8 decode passes: each layer's o_proj and MLP become the
     decode ops, whose CPU bodies are the quantized chain, so the greedy tokens are those of the
     driver-run FP8 model."""
     from v1_engine import LLM, SamplingParams
