@@ -207,10 +207,11 @@ def test_kernel_behind_the_pass_on_tiny_llama_forward_interpreted(
 
 @pytest.mark.gpu
 @pytest.mark.xfail(
-    strict=True,
-    reason="known bug, not yet found: on the H200 (60e299f) the engine with the kernel gives other "
-    "greedy tokens from the first one on, while the kernel alone (tests/kernels/test_triton_mlp.py, "
-    "CUDA graphs included) matches the chain; TUNED_LAUNCH stays empty until this passes",
+    strict=False,
+    reason="known bug, not yet found, intermittent: the engine with the kernel gave other greedy "
+    "tokens from the first one on at 60e299f (H200) and d8f046c (H100), and the same tokens at "
+    "8f0125a (H100), while the kernel alone (tests/kernels/test_triton_mlp.py, CUDA graphs "
+    "included) matches the chain; TUNED_LAUNCH stays empty until the cause is found",
 )
 def test_fused_mlp_in_the_engine_matches_unfused_gpu(tmp_path, default_tokenizer, monkeypatch):
     """A 2-layer model of Llama-3-8B's widths at -O2 with the fused_mlp pass and a launch for
