@@ -13,7 +13,7 @@ import inspect
 
 import pytest
 import torch
-from test_triton_gemv_fp8 import Recorder
+from fp8_gemm_cases import ULP, Recorder, randn
 
 from compile.passes import fp8_linear_ops
 from compile.passes.fused_ops import silu_and_mul_ref
@@ -25,13 +25,8 @@ fp8_launch = pytest.importorskip("v1_engine.kernels.fp8_launch")
 decode = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8_decode")
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
 
-ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 SMALL = {"block_n": 8, "block_k": 32, "num_warps": 4, "num_stages": 2}
 """Tiles small enough that the tiny shapes span several programs and K steps."""
-
-
-def randn(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
 
 
 def quantized_weight(n: int, k: int, seed: int, per_channel: bool = True, device: str = "cpu"):

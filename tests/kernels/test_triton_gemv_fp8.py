@@ -1,8 +1,8 @@
-"""The skinny FP8 GEMMs (kernels/triton_gemv_fp8.py) and their dispatch from the `scaled_mm` /
-`block_scaled_mm` ops against the PyTorch references of fp8.py: under the interpreter on CPU
-(tiny shapes, every body, scale granularities, bias, N/K tails, the op's CUDA body with CUTLASS
-stubbed), on the device with CUDA (the Llama-3-8B shapes against the references and CUTLASS, the
-op's dispatch, a CUDA graph, torch.compile with an unbacked token count).
+"""The skinny FP8 GEMMs (kernels/triton_gemv_fp8.py) against the PyTorch references of fp8.py:
+under the interpreter on CPU (tiny shapes, every body, scale granularities, bias, N/K tails,
+split K), on the device with CUDA (the Llama-3-8B shapes against the references and CUTLASS, the
+op's dispatch, a CUDA graph, torch.compile with an unbacked token count). The ops' dispatch on
+the CPU and the launch rules: test_fp8_skinny_dispatch.py.
 
 Kernel and reference see the same e4m3 operands and scales; the kernel's products are exact and
 its sums float32, so the two differ by float32 summation order and one rounding to out_dtype.
@@ -14,10 +14,18 @@ import functools
 
 import pytest
 import torch
+from fp8_gemm_cases import (
+    ULP,
+    assert_matches,
+    block_operands,
+    block_quantize,
+    channel_operands,
+    launch_for,
+    randn,
+    strided_rows,
+)
 
 from v1_engine.kernels import fp8, semaphores, skinny_launch
-from v1_engine.kernels.fp8 import FP8_DTYPE
-from v1_engine.layers.quantization.fp8_moe import quantize_matrix_block_fp8
 
 _CUDA = torch.cuda.is_available()
 # On the CPU the kernels run under Triton's interpreter, which tests/conftest.py turns on
@@ -25,10 +33,6 @@ _CUDA = torch.cuda.is_available()
 skinny = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8")
 fp8_launch = pytest.importorskip("v1_engine.kernels.fp8_launch")
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
-
-ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
-"""Relative spacing of the output dtypes; the interpreter truncates float32 -> 16 bits (the
-device rounds to nearest), so a result may sit one spacing from the reference."""
 
 GRANULARITIES = ("tensor", "token", "mixed")
 """Scale layouts of the channel kind: per-tensor a and b; per-token a [M, 1] and per-channel b
@@ -42,67 +46,6 @@ LLAMA3_8B_SHAPES = {  # name: (N, K)
 }
 
 
-def randn(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale
-
-
-def quantize(x: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 x with a per-row [rows, 1] or per-tensor [1] scale (the module's quantizers)."""
-    return fp8.per_token_fp8_quant_ref(x) if per_row else fp8.scaled_fp8_quant_ref(x)
-
-
-def block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 w [N, K] with one scale per 128x128 block (partial blocks at the N and K ends)."""
-    q, scale = quantize_matrix_block_fp8(w)
-    return q.contiguous(), scale
-
-
-def strided_rows(q: torch.Tensor) -> torch.Tensor:
-    """q [M, K] copied into a buffer whose rows sit K + 32 bytes apart (a slice of a wider one)."""
-    m, k = q.shape
-    wide = torch.zeros((m, k + 32), dtype=torch.uint8, device=q.device)
-    wide[:, 16 : 16 + k] = q.view(torch.uint8)
-    out = wide.view(FP8_DTYPE)[:, 16 : 16 + k]
-    assert out.stride(0) == k + 32 and torch.equal(out.view(torch.uint8), q.view(torch.uint8))
-    return out
-
-
-def channel_operands(m: int, n: int, k: int, granularity: str, seed: int, device: str = "cpu"):
-    """(a, b, scale_a, scale_b): random activations and weight quantized at `granularity`."""
-    a, scale_a = quantize(randn((m, k), seed), per_row=granularity == "token")
-    b, scale_b = quantize(randn((n, k), seed + 1, 0.05), per_row=granularity != "tensor")
-    return tuple(t.to(device) for t in (a, b, scale_a, scale_b))
-
-
-def block_operands(m: int, n: int, k: int, seed: int, device: str = "cpu"):
-    """(a, b, scale_a [M, K/128], scale_b [N/128, K/128]) quantized per group and per block."""
-    a, scale_a = fp8.per_token_group_fp8_quant_ref(randn((m, k), seed))
-    b, scale_b = block_quantize(randn((n, k), seed + 1, 0.05))
-    return tuple(t.to(device) for t in (a, b, scale_a, scale_b))
-
-
-WGMMA_ACCUMULATION = 2.0**-11
-"""The "wgmma" body's absolute error bound, relative to the output's largest magnitude. The FP8
-warpgroup MMA sums each 128-deep step's products in the tensor core's own accumulator, which
-keeps fewer mantissa bits than float32, before the kernel adds the step in float32 (as
-DeepSeek-V3's FP8 GEMMs promote every 128 of K). On an H100 that came to about 2^-13 of the
-output's scale at K = 14336, 7x the fp16 bound below (benchmarks/RESULTS.md, "wgmma body
-tolerance"); this bound is four times that. A wrong tile, mask or scale is off by the output's
-own magnitude."""
-
-
-def assert_matches(out: torch.Tensor, ref: torch.Tensor, mode: str = "") -> None:
-    """Equal up to one rounding to the 16-bit output (and the float32 sums' few-ulp spread); the
-    "wgmma" body's outputs within WGMMA_ACCUMULATION of the output's scale."""
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    ulp = ULP[out.dtype]
-    scale = ref.float().abs().amax().item()
-    atol = ulp * scale / 64
-    if mode == "wgmma":
-        atol = max(atol, WGMMA_ACCUMULATION * scale)
-    torch.testing.assert_close(out.float(), ref.float(), rtol=ulp, atol=atol)
-
-
 def body_cases(kind: str, ms: list[int]) -> list[tuple[str, int]]:
     """(body, M) pairs of the `kind` kernel: every body at every M it takes (fma up to
     skinny_launch.FMA_MAX_M rows)."""
@@ -112,14 +55,6 @@ def body_cases(kind: str, ms: list[int]) -> list[tuple[str, int]]:
         for m in ms
         if mode != "fma" or m <= skinny_launch.FMA_MAX_M
     ]
-
-
-def launch_for(mode: str, kind: str) -> dict:
-    """Small tiles so the tiny shapes span several programs and K steps (the wgmma body's
-    smallest: 64 columns, 128-deep steps)."""
-    block_n = 64 if mode == "wgmma" else 16
-    block_k = 128 if kind == "block" or mode == "wgmma" else 32
-    return {"mode": mode, "block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": 2}
 
 
 # ---- interpreter (CPU) -----------------------------------------------------------------------
@@ -230,183 +165,7 @@ def test_default_launch_masks_a_short_k_interpreted(kind):
     assert_matches(out, ref)
 
 
-class Recorder:
-    """Stands in for a CUTLASS entry point on CPU: records the call, returns the reference."""
-
-    def __init__(self, reference):
-        self.calls = 0
-        self.reference = reference
-
-    def __call__(self, *args):
-        self.calls += 1
-        return self.reference(*args)
-
-
-@pytest.fixture
-def stubs(monkeypatch):
-    """CUTLASS stubbed out in fp8 and call counters on both Triton GEMMs."""
-    cutlass = {
-        "channel": Recorder(fp8.scaled_mm_ref),
-        "block": Recorder(fp8.block_scaled_mm_ref),
-    }
-    monkeypatch.setattr(fp8, "scaled_mm_cutlass", cutlass["channel"])
-    monkeypatch.setattr(fp8, "block_scaled_mm_cutlass", cutlass["block"])
-    triton_calls = {"channel": 0, "block": 0}
-    for kind, name in (("channel", "fp8_skinny_gemm"), ("block", "fp8_block_skinny_gemm")):
-        kernel = getattr(skinny, name)
-
-        def counted(*args, _kernel=kernel, _kind=kind, **kwargs):
-            triton_calls[_kind] += 1
-            return _kernel(*args, **kwargs)
-
-        monkeypatch.setattr(skinny, name, counted)
-    for kind in fp8_launch.KINDS:  # as shipped before any measurement: no shape has an entry
-        monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, kind, {})
-    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", True)
-    return cutlass, triton_calls
-
-
-@interpreter_only
-def test_scaled_mm_cuda_body_dispatch_interpreted(stubs, monkeypatch):
-    """The op's CUDA body on CPU tensors: CUTLASS for shapes without a table entry, for entries
-    that say None, beyond SKINNY_MAX_M (even with an entry for its bucket) and with
-    V1ENGINE_SKINNY_GEMM=0; the Triton kernel for M <= SKINNY_MAX_M of a shape with a config
-    (the 4 bucket serves M = 3)."""
-    cutlass, triton_calls = stubs
-    n, k = 32, 64
-    a, b, scale_a, scale_b = channel_operands(3, n, k, "token", seed=1)
-    bias = randn((n,), 2).to(torch.bfloat16)
-    args = (a, b, scale_a, scale_b, torch.bfloat16, bias)
-    ref = fp8.scaled_mm_ref(*args)
-    assert torch.equal(fp8._scaled_mm_cuda(*args), ref)
-    assert (cutlass["channel"].calls, triton_calls["channel"]) == (1, 0)
-
-    monkeypatch.setitem(
-        fp8_launch.FP8_TUNED_LAUNCH["channel"], (4, n, k), launch_for("dot_swap", "")
-    )
-    assert_matches(fp8._scaled_mm_cuda(*args), ref)
-    assert (cutlass["channel"].calls, triton_calls["channel"]) == (1, 1)
-
-    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", False)
-    fp8._scaled_mm_cuda(*args)
-    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", True)
-    beyond = skinny_launch.SKINNY_MAX_M + 1
-    a_beyond, _, scale_a_beyond, _ = channel_operands(beyond, n, k, "token", seed=3)
-    key = (skinny_launch.m_bucket(beyond), n, k)
-    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH["channel"], key, launch_for("dot_swap", ""))
-    fp8._scaled_mm_cuda(a_beyond, b, scale_a_beyond, scale_b, torch.bfloat16, bias)
-    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH["channel"], (4, n, k), None)  # CUTLASS faster
-    fp8._scaled_mm_cuda(*args)
-    assert (cutlass["channel"].calls, triton_calls["channel"]) == (4, 1)
-
-
-@interpreter_only
-def test_block_scaled_mm_cuda_body_dispatch_interpreted(stubs, monkeypatch):
-    cutlass, triton_calls = stubs
-    n, k = 160, 256
-    a, b, scale_a, scale_b = block_operands(2, n, k, seed=4)
-    args = (a, b, scale_a, scale_b, torch.float16)
-    ref = fp8.block_scaled_mm_ref(*args)
-    assert torch.equal(fp8._block_scaled_mm_cuda(*args), ref)
-    assert (cutlass["block"].calls, triton_calls["block"]) == (1, 0)
-    monkeypatch.setitem(
-        fp8_launch.FP8_TUNED_LAUNCH["block"], (2, n, k), launch_for("dot_swap", "block")
-    )
-    assert_matches(fp8._block_scaled_mm_cuda(*args), ref)
-    assert (cutlass["block"].calls, triton_calls["block"]) == (1, 1)
-    # The channel table does not serve the block kind, nor the other way round.
-    assert not fp8_launch.prefers_fp8_skinny("channel", 2, n, k)
-    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", False)
-    fp8._block_scaled_mm_cuda(*args)
-    assert (cutlass["block"].calls, triton_calls["block"]) == (2, 1)
-
-
-# ---- dispatch rules, launch table (no kernel runs) ------------------------------------------
-
-
-def test_fits_fp8_skinny_rules():
-    a, b, _, _ = channel_operands(4, 32, 64, "tensor", seed=1)
-    fits = skinny.fits_fp8_skinny
-    bias = torch.zeros(32, dtype=torch.bfloat16)
-    assert fits(a, b) and fits(a, b, bias) and fits(strided_rows(a), b)
-    max_m = skinny_launch.SKINNY_MAX_M
-    assert fits(channel_operands(max_m, 32, 64, "tensor", seed=2)[0], b)
-    assert not fits(channel_operands(max_m + 1, 32, 64, "tensor", seed=2)[0], b)  # > SKINNY_MAX_M
-    assert not fits(a[:0], b)  # no rows
-    assert not fits(a.float(), b)  # not e4m3
-    assert not fits(a, b.T.contiguous().T)  # K not contiguous in the weight
-    assert not fits(a[:, :40], b[:, :40].contiguous())  # K = 40: rows not 16-byte aligned
-    assert not fits(torch.zeros((4, 72), dtype=torch.uint8)[:, 8:].view(FP8_DTYPE), b)
-    assert not fits(a, b, torch.zeros(64, dtype=torch.bfloat16)[::2])  # strided bias
-
-
-def test_every_table_entry_is_a_valid_launch():
-    """Each measured entry resolves at its shape (a split dividing K into non-empty slices, the
-    block kind's one-group K step); None entries and unmeasured shapes keep CUTLASS."""
-    entries = 0
-    for kind, table in fp8_launch.FP8_TUNED_LAUNCH.items():
-        for (m, n, k), launch in table.items():
-            assert skinny_launch.m_bucket(m) == m, (kind, m, n, k)
-            if launch is not None:
-                resolved = fp8_launch.resolve_fp8_launch(kind, m, n, k, {})
-                assert resolved == {"split_k": 1} | launch
-                entries += 1
-    assert entries > 0
-
-
-def test_vector_stride_reads_scales_in_place():
-    assert skinny._vector_stride(torch.ones(1)) == 0
-    assert skinny._vector_stride(torch.ones(1, 1)) == 0
-    assert skinny._vector_stride(torch.ones(5, 1)) == 1
-    assert skinny._vector_stride(torch.ones(1, 5)) == 1
-    assert skinny._vector_stride(torch.ones(5)) == 1
-    assert skinny._vector_stride(torch.ones(10, 2)[:, :1]) == 2
-
-
-def test_launch_table_and_overrides(monkeypatch):
-    tuned = {"mode": "dot_swap", "block_n": 16, "block_k": 1024, "num_warps": 8, "num_stages": 5}
-    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, "channel", {(4, 1024, 2048): tuned})
-    monkeypatch.setitem(fp8_launch.FP8_TUNED_LAUNCH, "block", {(16, 1024, 2048): None})
-    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", True)
-    assert fp8_launch.fp8_launch_config("channel", 3, 1024, 2048) == tuned  # the 4 bucket
-    assert fp8_launch.prefers_fp8_skinny("channel", 3, 1024, 2048)
-    assert not fp8_launch.prefers_fp8_skinny("channel", 5, 1024, 2048)  # unmeasured: CUTLASS
-    assert not fp8_launch.prefers_fp8_skinny("block", 9, 1024, 2048)  # measured: CUTLASS faster
-    assert fp8_launch.fp8_launch_config("block", 9, 1024, 2048) == fp8_launch.default_fp8_launch(
-        "block", 9, 1024, 2048
-    )
-    resolved = fp8_launch.resolve_fp8_launch("channel", 3, 1024, 2048, {"num_stages": 2})
-    assert resolved == tuned | {"num_stages": 2, "split_k": 1}
-    assert fp8_launch.resolve_fp8_launch("block", 3, 1024, 2048, {"split_k": 4})["split_k"] == 4
-    fma = {"mode": "fma", "block_n": 8}  # the block kind's fma body: one group a K step too
-    assert fp8_launch.resolve_fp8_launch("block", 3, 1024, 2048, fma)["block_k"] == 128
-    wgmma = {"mode": "wgmma", "block_n": 128, "block_k": 256}
-    assert fp8_launch.resolve_fp8_launch("channel", 64, 1024, 2048, wgmma)["mode"] == "wgmma"
-    monkeypatch.setattr(skinny_launch, "SKINNY_GEMM_ENABLED", False)
-    assert not fp8_launch.prefers_fp8_skinny("channel", 3, 1024, 2048)
-    for kind, bad, match in (
-        ("channel", {"block_m": 16}, "unknown launch key"),
-        ("channel", {"mode": "split_k"}, "mode"),
-        ("channel", {"block_n": 8}, "block_n"),  # below the dot's 16
-        ("channel", {"mode": "dot"}, "mode must be one of"),  # no e4m3 body on sm_90
-        ("weight_only", {"mode": "dot_swap", "block_n": 16}, "mode must be one of"),
-        ("weight_only", {"mode": "wgmma", "block_n": 64, "block_k": 128}, "mode must be one of"),
-        ("channel", {"mode": "wgmma", "block_n": 32}, "block_n must be a multiple of 64"),
-        ("block", {"mode": "wgmma", "block_n": 16}, "block_n must be a multiple of 64"),
-        ("channel", {"mode": "wgmma", "block_n": 64, "block_k": 64}, "multiple of 128"),
-        ("channel", {"block_k": 48}, "block_k"),
-        ("block", {"block_k": 256}, "block_k must be 128"),
-        ("block", {"block_n": 256}, "block_n must be <= 128"),
-        ("block", {"num_warps": 3}, "num_warps"),
-        ("block", {"split_k": 17}, "split_k must be an integer in 1..16"),  # 16 groups of 128
-        ("channel", {"block_k": 256, "split_k": 7}, "would leave a slice empty"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            fp8_launch.resolve_fp8_launch(kind, 3, 1024, 2048, bad)
-    with pytest.raises(ValueError, match="'fma' needs M in 1..4"):
-        fp8_launch.resolve_fp8_launch("channel", 8, 1024, 2048, {"mode": "fma", "block_n": 8})
-    with pytest.raises(ValueError, match="kind must be one of"):
-        fp8_launch.fp8_launch_config("tensor", 1, 64, 64)
+def test_out_dtype_must_be_16_bit():
     with pytest.raises(ValueError, match="out_dtype"):
         skinny.fp8_skinny_gemm(*channel_operands(1, 16, 32, "tensor", seed=1), torch.float32)
 
