@@ -157,9 +157,9 @@ def test_launches_agree_gpu(launch):
 @pytest.mark.parametrize("m", [1, 3, 4, 16])
 @pytest.mark.parametrize("launch", [{}, {"mode1": "dot_swap", "block_n1": 64}])
 def test_decode_batch_launches_gpu(m, launch):
-    """The launches the engine test (tests/compile/test_mlp_fusion.py, xfail) forces at decode
-    sizes, alone: the dot_swap gated body with 64-row tiles at M <= 16, rows padded to the dot's
-    16. If these pass while the engine test fails, the bug is in how the engine calls the op."""
+    """The launches the engine test (tests/compile/test_mlp_fusion.py) forces at decode sizes,
+    alone: the dot_swap gated body with 64-row tiles at M <= 16, rows padded to the dot's 16. If
+    these pass while the engine test fails, the bug is in how the engine calls the op."""
     k, i, n = LLAMA_MLP
     args = operands(m, k, i, n, device="cuda", seed=20 + m)
     got = triton_mlp.fused_mlp_add_rms_norm(*args, 1e-5, **launch)

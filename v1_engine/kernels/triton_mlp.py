@@ -94,11 +94,12 @@ DEFAULT_LAUNCH: dict[str, int | str] = {
 TUNED_LAUNCH: dict[tuple[int, int, int], dict[str, int | str]] = {}
 """(M bucket, I, N) -> launch, for the shapes and M buckets where the fused kernel was measured
 faster than the unfused chain (benchmarks/benchmark_fused_mlp.py); the op runs the chain
-elsewhere. Empty: the kernel measured slower, and inside the engine it gave wrong tokens at
-60e299f (H200) and d8f046c (H100), though not at 8f0125a (H100), for a reason not yet found
-(tests/compile/test_mlp_fusion.py's engine test, marked xfail), although alone it matches the
-chain bit for bit, and behind the pass on a real model's graph under the interpreter it follows
-the model (so the cause is on the device). Add no entry before the cause is found."""
+elsewhere. Empty: the kernel measured 5-7% slower than the chain. Inside the engine it gives the
+unfused engine's greedy tokens and logprobs (tests/compile/test_mlp_fusion.py's engine test,
+which forces a table). Two earlier runs of that test failed with a comparison that took no
+near-tie flip; its K split sums the down GEMM in another order than the chain, so a flat logit
+of the dummy-weight model may flip (benchmarks/RESULTS.md, "The fused split-KV merge + FP8
+o_proj measured")."""
 
 NORM_BLOCK = 1024
 """Columns per chunk of phase 3's row walk."""
