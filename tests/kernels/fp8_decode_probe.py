@@ -145,10 +145,11 @@ def compile_case(kind: str, m: int, n: int, k: int, launch: dict) -> dict:
 
 
 def rank(kind: str, m: int, top: int) -> list[dict]:
-    """The fma launches sweep_skinny_gemm.py times for `kind` at M (its fma_configs and
-    fma_fits), one build per tile and warp count, by issue_per_byte, best first."""
+    """The fma launches sweep_skinny_gemm.py times for `kind` at M (benchmarks/skinny_configs.py's
+    fma_configs and fma_fits), one build per tile and warp count, by issue_per_byte, best
+    first."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import sweep_skinny_gemm as sweep
+    import skinny_configs as sweep
 
     tiles = {(c["block_n"], c["block_k"], c["num_warps"]) for c in sweep.fma_configs(kind)}
     rows = []
