@@ -5,8 +5,7 @@ piece's partial, and the merges of the partials:
 - paged attention (kernels/triton_attention.py): a partial is the piece's output normalised by
   its own softmax sum, with its running max and sum, [tokens, heads, num_splits, HEAD_PAD] and
   [tokens, heads, num_splits] float32; merged by the last piece to arrive inside the launch
-  (`merge_pieces_in_program`) or by a second kernel (`merge_pieces`; one head's merge is
-  `merge_head`);
+  (`merge_pieces_in_program`) or by a second kernel (`merge_pieces`);
 - MLA decode (kernels/triton_mla.py): normalised outputs [reqs, heads, num_splits, RANK_PAD]
   with their log-sum-exps, merged by the kernel's last piece to arrive (`merge_latent_pieces`).
 """
@@ -82,28 +81,6 @@ def merge_pieces_in_program(part_out_ptr, part_max_ptr, part_sum_ptr, stat_base,
     return acc / tl.where(l_run > 0.0, l_run, 1.0)[:, None]
 
 
-@triton.jit
-def merge_head(part_out_ptr, part_max_ptr, part_sum_ptr, token, head, num_splits,
-               NUM_HEADS: tl.constexpr, HEAD_PAD: tl.constexpr,
-               SPLITS_PAD: tl.constexpr):  # fmt: skip
-    """The merged [HEAD_PAD] float32 output of (token, head) from all its pieces' partials,
-    every piece loaded at once: sum_s w_s * o_s / sum_s w_s, w_s = l_s * 2^(m_s - max_s m_s)."""
-    splits = tl.arange(0, SPLITS_PAD)
-    split_valid = splits < num_splits
-    stat_off = (token * NUM_HEADS + head) * num_splits + splits
-    m = tl.load(part_max_ptr + stat_off, mask=split_valid, other=-1.0e30)
-    l_sum = tl.load(part_sum_ptr + stat_off, mask=split_valid, other=0.0)
-    weights = tl.exp2(m - tl.max(m, 0)) * l_sum
-    total = tl.sum(weights, 0)
-    dims = tl.arange(0, HEAD_PAD)
-    parts = tl.load(
-        part_out_ptr + stat_off[:, None] * HEAD_PAD + dims[None, :],
-        mask=split_valid[:, None],
-        other=0.0,
-    )
-    return tl.sum(parts * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-
-
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     out_ptr,
@@ -123,9 +100,20 @@ def _merge_splits_kernel(
     pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    merged = merge_head(part_out_ptr, part_max_ptr, part_sum_ptr, token, head, num_splits,
-                        NUM_HEADS, HEAD_PAD, SPLITS_PAD)  # fmt: skip
+    splits = tl.arange(0, SPLITS_PAD)
+    split_valid = splits < num_splits
+    stat_off = (token * NUM_HEADS + head) * num_splits + splits
+    m = tl.load(part_max_ptr + stat_off, mask=split_valid, other=-1.0e30)
+    l_sum = tl.load(part_sum_ptr + stat_off, mask=split_valid, other=0.0)
+    weights = tl.exp2(m - tl.max(m, 0)) * l_sum
+    total = tl.sum(weights, 0)
     dims = tl.arange(0, HEAD_PAD)
+    parts = tl.load(
+        part_out_ptr + stat_off[:, None] * HEAD_PAD + dims[None, :],
+        mask=split_valid[:, None],
+        other=0.0,
+    )
+    merged = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(
         out_ptr + token * stride_ot + head * stride_oh + dims,
         merged.to(out_ptr.dtype.element_ty),
