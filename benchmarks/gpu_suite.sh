@@ -13,7 +13,7 @@
 # decode stages, each meant for one 10-minute device call: `fp8tests` the GPU tests of the
 # FP8 decode kernels, ops and passes; `fp8decode` their sweeps at M 1 / 2 / 4 into one table
 # file (GEMM_TABLES, default $LOG_DIR/fp8_decode.json); `fp8ab` FP8 batch-1 decode without and
-# with that file (and with the opt-in decode passes), alternating, and the per-shape FP8 GEMM
+# with that file, alternating (the decode passes are all on by default), and the per-shape FP8 GEMM
 # table at M = 1 without and with it (bring the file back as GEMM_TABLES); `fp8goal` bf16 and
 # FP8 batch 1 (also without fp8_dynamic_linear, and with the FP8 LM head), each in GOAL_PROCS
 # processes.
@@ -160,8 +160,7 @@ fi
 if [[ " $STAGES " == *" fp8ab "* ]]; then
   [ -f "$TABLES" ] || { echo "fp8ab: no table file $TABLES (run the fp8decode stage)"; exit 1; }
   ab="--quantization fp8 --batch-sizes 1 --prefill-lens '' --decode-steps 64 --repeats 2"
-  passes="--add-fusion-passes fp8_gated_mlp"
-  for variant in "" "--gemm-tables $TABLES" "--gemm-tables $TABLES $passes" ""; do
+  for variant in "" "--gemm-tables $TABLES" "" "--gemm-tables $TABLES"; do
     echo "### variant: ${variant:-base}" | tee -a "$LOG_DIR/fp8ab.log"
     eval python3 benchmarks/latency.py --model "$MODEL" "$ab" "$variant" 2>&1 \
       | tee -a "$LOG_DIR/fp8ab.log"
@@ -174,7 +173,7 @@ if [[ " $STAGES " == *" fp8ab "* ]]; then
     python3 benchmarks/benchmark_fp8_gemm.py --m 1 $tables 2>&1 | tee -a "$LOG_DIR/fp8ab_gemm.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   done
-  { echo; echo "## fp8 batch-1 A/B (base, tables, tables + passes, base)"
+  { echo; echo "## fp8 batch-1 A/B (base, tables, base, tables)"
     grep -E "^### variant|^\| 1 " "$LOG_DIR/fp8ab.log"
     grep -E "^- |GEMM tables from" "$LOG_DIR/fp8ab_gemm.log"; } >> "$summary"
 fi

@@ -192,11 +192,12 @@ def test_skinny_sweep_builds_only_launches_the_kernels_take(kind):
     kind's fma body is swept, one 128-wide group a K step, split too; the FP8 kinds' wgmma body
     early, split too."""
     import skinny_configs as sweep
+    from sweep_skinny_gemm import SHAPES
 
     from v1_engine.kernels import fp8_launch, skinny_launch
 
     configs = sweep.sweep_configs(kind, [2, 4], None)
-    n, k = 4096, 14336  # down
+    n, k = SHAPES["down"]
     ran = 0
     for launch in configs:
         for m in (1, 2, 4, 16, 64):
