@@ -77,6 +77,7 @@ from skinny_configs import (
 )
 
 from compile.passes.fused_ops import silu_and_mul_ref
+from compile.passes.fused_quant_ops import add_rms_norm_quant_ref
 from v1_engine.kernels import (
     fp8,
     fp8_cutlass,
@@ -214,12 +215,19 @@ class Problem:
             return triton_fused_quant.silu_and_mul_quant(gate_up, None)
         return fp8_cutlass.block_scaled_mm_cutlass(a, w, scale_a, self.scale_w, torch.bfloat16)
 
-    def reference(self, m: int, w: torch.Tensor) -> torch.Tensor:
+    def reference(self, m: int, w: torch.Tensor, mode: str = "") -> torch.Tensor:
         """What every config's output is checked against: cuBLAS for bf16; for FP8 the float32
         PyTorch reference on the same e4m3 operands, not CUTLASS, whose FP8 accumulator drifts
-        over long K (Llama-3-70B down, K = 28672: 9e-3 of the output's range at M = 1)."""
+        over long K (Llama-3-70B down, K = 28672: 9e-3 of the output's range at M = 1). The norm
+        kinds: the folded formula in float32 for the fma body, the quantized chain's reference
+        (norm-quant, then the e4m3 product) for the wgmma body, which quantizes as it does."""
         if self.kind == "bf16":
             return self.baseline(m, w)
+        if self.kind in NORM_KINDS and mode == "wgmma":
+            x, residual = self.bf16_xs[m], self.residuals[m]
+            a, scale_a, _ = add_rms_norm_quant_ref(x, residual, self.norm_w, NORM_EPS)
+            out = fp8.scaled_mm_ref(a, w, scale_a, self.scale_w, torch.bfloat16)
+            return silu_and_mul_ref(out) if self.kind == "norm_gated" else out
         if self.kind in NORM_KINDS:  # the norm folded in, in float32
             x, residual = self.bf16_xs[m], self.residuals[m]
             h = (x.float() + residual.float()).to(x.dtype).float()
@@ -276,6 +284,8 @@ def sweep_shape(
     problem = Problem(kind, n, k, ms)
     weights = problem.weights
     refs = {m: problem.reference(m, weights[0]) for m in ms}
+    if kind in NORM_KINDS:  # the wgmma body quantizes the activation: the chain's reference
+        refs |= {(m, "wgmma"): problem.reference(m, weights[0], "wgmma") for m in ms}
     results = {m: (graph_us(lambda w, m=m: problem.baseline(m, w), weights), []) for m in ms}
     default = {m: problem.default_launch(m, n, k) for m in ms}
     start, tried = time.perf_counter(), 0
@@ -288,7 +298,8 @@ def sweep_shape(
             if not applies(kind, chosen, m):
                 continue
             try:
-                if not matches(problem, m, chosen, refs[m]):
+                ref = refs.get((m, chosen["mode"]), refs[m])
+                if not matches(problem, m, chosen, ref):
                     print(f"  {name} M={m}: WRONG RESULT from {chosen}", flush=True)
                     continue
                 us = graph_us(lambda w, m=m, c=chosen: problem.skinny(m, w, c), weights)

@@ -197,7 +197,9 @@ def test_skinny_sweep_builds_only_launches_the_kernels_take(kind):
     from v1_engine.kernels import fp8_launch, skinny_launch
 
     configs = sweep.sweep_configs(kind, [2, 4], None)
-    n, k = SHAPES["down"]
+    # The norm kinds fold the norm in front of qkv / gate_up (K = the hidden size: their wgmma
+    # body holds the row in registers); the others take the longest K.
+    n, k = SHAPES["gate_up" if kind in ("norm", "norm_gated") else "down"]
     ran = 0
     for launch in configs:
         for m in (1, 2, 4, 16, 64):
@@ -219,10 +221,10 @@ def test_skinny_sweep_builds_only_launches_the_kernels_take(kind):
         assert fma and {c["block_k"] for c in fma} == {fp8_launch.SCALE_GROUP}
         assert fma[0]["block_n"] == 64 and any(c.get("split_k", 1) == 4 for c in fma)
     wgmma = [c for c in configs if c["mode"] == "wgmma"]
-    if kind in ("channel", "block", "gated"):  # the FP8 MMA body among the first configs
+    if kind in ("channel", "block", "gated", "norm", "norm_gated"):  # the FP8 MMA body early
         assert wgmma and all(c["block_n"] % 64 == 0 for c in wgmma)
         assert any(c["mode"] == "wgmma" for c in configs[:8])
-        assert any(c.get("split_k", 1) == 4 for c in wgmma) == (kind != "gated")
+        assert any(c.get("split_k", 1) == 4 for c in wgmma) == (kind in ("channel", "block"))
     else:
         assert not wgmma
     assert sweep.sweep_configs(kind, [], ["fma"]) == [c for c in configs if c["mode"] == "fma"

@@ -17,10 +17,13 @@ holds for "norm" / "norm_gated" (kernels/fp8_launch.py's dispatch rule):
   out_dtype, act_dtype)` -> (out, x + residual): the "norm_gated" kernel (gate_up with the norm
   in front and SiLU-and-mul behind), then the "weight_only" down GEMM, instead of three kernels.
 
-Elsewhere both run the quantized chain. As with compile/passes/fp8_linear_ops.py, the fast path
+Elsewhere both run the quantized chain. As with compile/passes/fp8_linear_ops.py, the fma body
 does not quantize the activation and does not round the normed value to bf16, so it is *more*
-accurate than the chain and differs from it by those roundings; the PyTorch bodies are the chain,
-so on the CPU a graph with the ops equals one without.
+accurate than the chain and differs from it by those roundings. The "wgmma" body (a table entry
+in that mode) instead norms and quantizes the activation in every program exactly as the
+norm-quant kernel would and multiplies e4m3 by e4m3 in warpgroup MMAs: the chain's arithmetic,
+one kernel. The PyTorch bodies are the chain, so on the CPU a graph with the ops equals one
+without.
 """
 
 from __future__ import annotations

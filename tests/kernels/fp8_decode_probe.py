@@ -50,6 +50,8 @@ WGMMA_CASES = {  # the "wgmma" body (FP8 warpgroup MMA on the e4m3 tiles as load
     "wgmma_block_o_proj_m1": ("block", 1, 4096, 4096, 64, 128),
     "wgmma_block_down_m64": ("block", 64, 4096, 14336, 128, 128),
     "wgmma_gated_gate_up_m1": ("gated", 1, 28672, 4096, 64, 256),
+    "wgmma_norm_qkv_m1": ("norm", 1, 6144, 4096, 64, 128),
+    "wgmma_norm_gated_gate_up_m1": ("norm_gated", 1, 28672, 4096, 64, 128),
 }
 KERNELS = {"channel": "_fp8_skinny_kernel", "block": "_fp8_block_skinny_kernel",
            "weight_only": "_fp8_decode_kernel", "gated": "_fp8_decode_kernel",

@@ -3,15 +3,18 @@ RMSNorm before it folded in) and the ops of compile/passes/fp8_norm_ops.py that 
 the interpreter on CPU (tiny shapes with ragged edges, the ops' dispatch with the quantized chain
 stubbed), on the device with CUDA (the Llama-3-8B shapes, both ops in a CUDA graph).
 
-The kernel computes rsqrt(mean(h^2) + eps) * ((h * w_norm) @ W^T) * scale_w for h = x + residual
-rounded to x's dtype. Its products are exact in float32 and its sums float32, so it differs from
-a float64 evaluation of that formula by summation order and one rounding to the 16-bit output;
-from the quantized chain (norm, bf16 rounding, e4m3 activation) by the activation's roundings."""
+The fma body computes rsqrt(mean(h^2) + eps) * ((h * w_norm) @ W^T) * scale_w for h = x +
+residual rounded to x's dtype. Its products are exact in float32 and its sums float32, so it
+differs from a float64 evaluation of that formula by summation order and one rounding to the
+16-bit output; from the quantized chain (norm, bf16 rounding, e4m3 activation) by the
+activation's roundings. The wgmma body is the quantized chain: it norms and quantizes the
+activation as the norm-quant kernel does and multiplies e4m3 by e4m3."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from fp8_gemm_cases import assert_matches as assert_matches_body
 from test_fp8_decode_gemm import assert_matches, quantized_weight, randn, strided
 
 from compile.passes import fp8_norm_ops
@@ -25,6 +28,7 @@ decode = pytest.importorskip("v1_engine.kernels.triton_gemv_fp8_decode")
 interpreter_only = pytest.mark.skipif(_CUDA, reason="the gpu cases cover this on a CUDA machine")
 
 SMALL = {"mode": "fma", "block_n": 8, "block_k": 32, "num_warps": 4, "num_stages": 2}
+WGMMA = {"mode": "wgmma", "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 2}
 EPS = 1e-5
 
 
@@ -49,10 +53,12 @@ def folded_ref(x, residual, norm_weight, w, scale_w, bias=None, gated=False):
     return out.to(x.dtype), h
 
 
-def chain_ref(x, residual, norm_weight, w, scale_w):
-    """The quantized chain the ops replace: add + RMSNorm + e4m3 quant, then scaled_mm."""
+def chain_ref(x, residual, norm_weight, w, scale_w, bias=None, gated=False):
+    """The quantized chain the ops replace: add + RMSNorm + e4m3 quant, then scaled_mm (and
+    SiLU-and-mul where `gated`)."""
     q, scale, summed = add_rms_norm_quant_ref(x, residual, norm_weight, EPS)
-    return fp8.scaled_mm_ref(q, w, scale, scale_w, x.dtype), summed
+    out = fp8.scaled_mm_ref(q, w, scale, scale_w, x.dtype, bias)
+    return (silu_and_mul_ref(out) if gated else out), summed
 
 
 # ---- interpreter (CPU) -----------------------------------------------------------------------
@@ -94,6 +100,32 @@ def test_norm_gemm_is_near_the_quantized_chain_interpreted():
 
 
 @interpreter_only
+@pytest.mark.parametrize("m", [1, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gated", [False, True])
+def test_norm_gemm_wgmma_body_is_the_quantized_chain_interpreted(m, dtype, gated):
+    """The wgmma body norms and quantizes the activation in every program as the norm-quant
+    kernel does, so it computes the chain's e4m3 x e4m3 product: within the output's rounding
+    of it, where the fma body (not quantized) is 2^-4 of the activation away. N = 160 (gated:
+    80 gate then 80 up rows) leaves a partial 64-row tile, K = 200 a partial 128-wide step; the
+    rows of m = 3 / 4 get their own scales (one loud row)."""
+    n, k = 160, 200
+    x, residual, norm_weight = norm_operands(m, k, dtype, seed=m + 20)
+    x[-1] *= 30.0
+    x = strided(x)
+    w, scale_w = quantized_weight(n, k, seed=m + 21)
+    bias = None if gated else randn((n,), 8).to(dtype)
+    out, h = decode.fp8_add_norm_gemm(
+        x, residual, norm_weight, EPS, w, scale_w, bias, gated=gated, **WGMMA
+    )
+    want, want_h = chain_ref(x, residual, norm_weight, w, scale_w, bias, gated)
+    assert torch.equal(h, want_h)
+    assert_matches(out, want, ulps=1.0)
+    folded, _ = folded_ref(x, residual, norm_weight, w, scale_w, bias, gated)
+    assert not torch.allclose(out.float(), folded.float(), rtol=2**-7, atol=0)
+
+
+@interpreter_only
 def test_norm_gemm_rows_are_independent_interpreted():
     """A row's output depends on its own sum of squares only: rows computed together equal rows
     computed alone (a shared or mixed-up rstd would break this)."""
@@ -113,11 +145,15 @@ def test_norm_kind_launch_rules():
     assert fp8_launch.default_fp8_launch("norm", 1, 6144, 4096)["mode"] == "fma"
     for kind, bad, match in (
         ("norm", {"mode": "dot_swap", "block_n": 32}, "mode must be one of"),
-        ("norm_gated", {"mode": "wgmma", "block_n": 64, "block_k": 128}, "mode must be"),
+        ("norm_gated", {"mode": "wgmma", "block_n": 32, "block_k": 128}, "multiple of 64"),
         ("norm", {"split_k": 2}, "split_k must be 1"),
     ):
         with pytest.raises(ValueError, match=match):
             fp8_launch.resolve_fp8_launch(kind, 1, 4096, 4096, bad)
+    wgmma = {"mode": "wgmma", "block_n": 64, "block_k": 128}
+    assert fp8_launch.resolve_fp8_launch("norm_gated", 4, 28672, 4096, wgmma)["mode"] == "wgmma"
+    with pytest.raises(ValueError, match="K <= 8192"):  # the row the prologue holds
+        fp8_launch.resolve_fp8_launch("norm", 1, 4096, 16384, wgmma)
     # Measured: Llama-3-8B's qkv and gate_up at M = 1, valid launches of their kinds; every
     # other M bucket and shape runs the quantized chain.
     for kind, shape in (("norm", (6144, 4096)), ("norm_gated", (28672, 4096))):
@@ -277,6 +313,24 @@ def test_norm_gemm_llama3_shapes_gpu(m, n, gated):
         want, want_h = folded_ref(x, residual, norm_weight, w, scale_w, gated=gated)
         assert torch.equal(h, want_h)
         assert_matches(out, want, ulps=2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 4])
+@pytest.mark.parametrize(("n", "gated"), [(6144, False), (28672, True)])
+def test_norm_gemm_wgmma_body_llama3_shapes_gpu(m, n, gated):
+    """The wgmma body against the quantized chain's reference (the norm-quant reference, then
+    the float32 product of the e4m3 operands), within the FP8 MMA's accumulation bound."""
+    k = 4096
+    x, residual, norm_weight = norm_operands(m, k, torch.bfloat16, seed=m + 30, device="cuda")
+    w, scale_w = quantized_weight(n, k, seed=2, device="cuda")
+    for launch in (WGMMA, WGMMA | {"block_k": 256, "num_stages": 4}):
+        out, h = decode.fp8_add_norm_gemm(
+            x, residual, norm_weight, EPS, w, scale_w, gated=gated, **launch
+        )
+        want, want_h = chain_ref(x, residual, norm_weight, w, scale_w, gated=gated)
+        assert torch.equal(h, want_h)
+        assert_matches_body(out, want, "wgmma")
 
 
 @pytest.mark.gpu

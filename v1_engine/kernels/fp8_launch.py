@@ -28,8 +28,8 @@ KIND_MODES = {
     "block": ("dot_swap", "wgmma", "fma"),
     "weight_only": ("fma",),
     "gated": ("fma", "wgmma"),
-    "norm": ("fma",),
-    "norm_gated": ("fma",),
+    "norm": ("fma", "wgmma"),
+    "norm_gated": ("fma", "wgmma"),
 }
 """Bodies each FP8 kernel has (see kernels/triton_gemv_fp8.py's docstring): skinny_launch.MODES'
 "dot_swap" and "fma" (only for M <= skinny_launch.FMA_MAX_M, as in the bf16 kernel), and "wgmma",
@@ -42,10 +42,13 @@ WGMMA_PROMOTE_K = 128
 """K extent the "wgmma" body accumulates in the tensor core before adding to float32 (the
 max_num_imprecise_acc of triton_gemv_fp8._swapped_dot): its block_k is a multiple."""
 DECODE_KINDS = ("weight_only", "gated", "norm", "norm_gated")
-"""The kinds of kernels/triton_gemv_fp8_decode.py (the fma body, the gated kind also wgmma;
-never split), which shares this module's table and launch rules. "norm" / "norm_gated" are
+"""The kinds of kernels/triton_gemv_fp8_decode.py (the fma body, the gated and norm kinds also
+wgmma; never split), which shares this module's table and launch rules. "norm" / "norm_gated" are
 weight_only / gated (on a bf16 activation) with the residual add and RMSNorm before them folded
 in."""
+NORM_WGMMA_MAX_K = 8192
+"""Longest row the norm kinds' wgmma body holds in registers for its prologue (the row padded to
+a power of two: 64 float32 values a thread at 4 warps)."""
 SCALE_GROUP = 128
 """K (and N) extent of one block scale; the block kind's K step is exactly one group."""
 
@@ -87,7 +90,7 @@ def resolve_fp8_launch(
     """`fp8_launch_config` with the `launch` overrides applied; raises ValueError naming a key
     that is unknown or out of range (skinny_launch's rules, plus block_k == 128 and
     block_n <= 128 for the block kind, and for the wgmma body block_n a multiple of 64 and
-    block_k of 128)."""
+    block_k of 128, and for the norm kinds' K <= NORM_WGMMA_MAX_K)."""
     config = fp8_launch_config(kind, m, n, k) | launch
     mode = config["mode"]
     # A complete config overrides every key of skinny_launch's own default, so this only checks
@@ -108,6 +111,11 @@ def resolve_fp8_launch(
         raise ValueError(
             f"launch block_k must be a multiple of {WGMMA_PROMOTE_K} in mode 'wgmma' (its "
             f"float32 promotion interval), got {config['block_k']!r}"
+        )
+    if kind in ("norm", "norm_gated") and mode == "wgmma" and k > NORM_WGMMA_MAX_K:
+        raise ValueError(
+            f"launch mode 'wgmma' of the {kind} kind takes K <= {NORM_WGMMA_MAX_K} (the row it "
+            f"norms in registers), got K = {k}"
         )
     if kind in DECODE_KINDS and config["split_k"] != 1:
         raise ValueError(f"launch split_k must be 1 for the {kind} kind, got {config['split_k']!r}")

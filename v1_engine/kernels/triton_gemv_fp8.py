@@ -69,6 +69,12 @@ def _swapped_dot(a_ptrs, b_ptrs, m_mask, n_mask, k_mask, DOT_F32: tl.constexpr,
     every program."""
     b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_first")
     a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask, other=0.0, eviction_policy="evict_last")
+    return _swapped_mma(a, b, DOT_F32, NATIVE)
+
+
+@triton.jit
+def _swapped_mma(a, b, DOT_F32: tl.constexpr, NATIVE: tl.constexpr):
+    """`_swapped_dot`'s product of tiles already loaded: b [BLOCK_N, BLOCK_K] @ a^T."""
     if DOT_F32:
         return _dot(b.to(tl.float32), tl.trans(a.to(tl.float32)), DOT_F32)
     if NATIVE:

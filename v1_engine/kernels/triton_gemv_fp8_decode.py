@@ -8,7 +8,12 @@ kernel. Program n owns BLOCK_N output columns over all of K, never split.
   run it for o_proj's input and for the down projection's);
 - "gated" (`fp8_gated_gemm`): the gate_up GEMM of e4m3 operands with SiLU-and-mul in its
   epilogue, writing the bf16 product the down projection reads; the fma body, or "wgmma" with
-  the gate and up tiles each in FP8 warpgroup MMAs.
+  the gate and up tiles each in FP8 warpgroup MMAs;
+- "norm" / "norm_gated" (`fp8_add_norm_gemm`): weight_only / gated with the residual add and
+  RMSNorm before them folded in. The fma body keeps the activation in float32 (the norm
+  factors out of the sum); "wgmma" quantizes it as the norm-quant kernel would (per token,
+  e4m3), every program for itself, and multiplies in FP8 warpgroup MMAs: the quantized chain's
+  arithmetic in one kernel.
 """
 
 from __future__ import annotations
@@ -17,10 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from v1_engine.kernels import interpreting
+from v1_engine.kernels import interpreting, skinny_launch
 from v1_engine.kernels.fp8_launch import resolve_fp8_launch
 from v1_engine.kernels.pdl import pdl_release, pdl_wait
-from v1_engine.kernels.triton_fused_quant import _round_to
+from v1_engine.kernels.triton_fused_quant import _TL_DTYPES
 from v1_engine.kernels.triton_gemv import _silu_mul
 from v1_engine.kernels.triton_gemv_fp8 import (
     FP8_DTYPE,
@@ -34,97 +39,7 @@ from v1_engine.kernels.triton_gemv_fp8 import (
     _swapped_dot,
     _vector_stride,
 )
-
-
-@triton.jit
-def _norm_row(x_row, res_row, res_out_row, row: tl.constexpr, stride_am, stride_rm, stride_rom,
-              M, k_row, wn, ss, tile, DTYPE: tl.constexpr, HW: tl.constexpr):  # fmt: skip
-    """One K step of activation row `row` for the "norm" kinds (zeros past M): h = x + residual
-    rounded to DTYPE as the unfused add rounds it (program `tile` 0 stores it to residual_out);
-    returns h * wn in float32 and ss + h^2."""
-    lane = k_row.to(tl.int32) * 0
-    mask = k_row & ((lane + row) < M)
-    x = tl.load(x_row + row * stride_am, mask=mask, other=0.0, eviction_policy="evict_last")
-    r = tl.load(res_row + row * stride_rm, mask=mask, other=0.0, eviction_policy="evict_last")
-    h = _round_to(x.to(tl.float32) + r.to(tl.float32), DTYPE, HW)
-    tl.store(res_out_row + row * stride_rom, h.to(DTYPE), mask=mask & ((lane + tile) == 0))
-    return h * wn, ss + h * h
-
-
-@triton.jit
-def _fma_vectors(acc0, acc1, acc2, acc3, a0, a1, a2, a3, w32, BLOCK_M: tl.constexpr):
-    """_fma_rows for activation rows already in registers (float32 [BLOCK_K] each)."""
-    acc0 = acc0 + a0[None, :] * w32
-    if BLOCK_M > 1:
-        acc1 = acc1 + a1[None, :] * w32
-    if BLOCK_M > 2:
-        acc2 = acc2 + a2[None, :] * w32
-        acc3 = acc3 + a3[None, :] * w32
-    return acc0, acc1, acc2, acc3
-
-
-@triton.jit
-def _row_rstd(ss0, ss1, ss2, ss3, offs_m, K, eps, BLOCK_M: tl.constexpr):
-    """rsqrt(mean(h^2) + eps) of each of the BLOCK_M rows from their [BLOCK_K] partial sums."""
-    total = tl.where(offs_m == 0, tl.sum(ss0, axis=0), 0.0)
-    if BLOCK_M > 1:
-        total = tl.where(offs_m == 1, tl.sum(ss1, axis=0), total)
-    if BLOCK_M > 2:
-        total = tl.where(offs_m == 2, tl.sum(ss2, axis=0), total)
-        total = tl.where(offs_m == 3, tl.sum(ss3, axis=0), total)
-    return tl.rsqrt(total / K + eps)
-
-
-@triton.jit
-def _norm_fma_loop(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, g_ptrs, u_ptrs, n_mask, offs_m,
-                   offs_k, M, K, stride_am, stride_rm, stride_rom, eps, tile,
-                   GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr,
-                   HW: tl.constexpr):  # fmt: skip
-    """The fma body of the "norm" kinds: (gate, up, rstd), gate / up the [BLOCK_M, BLOCK_N]
-    sums of (h * norm_w) times the weight rows (up zeros unless GATED) and rstd each row's
-    rsqrt(mean(h^2) + eps). The norm is a per-row scale, so it factors out of the sum:
-    rmsnorm(h) * w @ W^T = rstd * ((h * w) @ W^T), and every program gets mean(h^2) from the
-    same K loop instead of a norm kernel before it."""
-    DTYPE = x_ptr.dtype.element_ty
-    x_row = x_ptr + offs_k
-    res_row = res_ptr + offs_k
-    out_row = res_out_ptr + offs_k
-    wn_row = norm_w_ptr + offs_k
-    g0, g1, g2, g3 = _fma_accumulators(BLOCK_N, BLOCK_K)
-    u0, u1, u2, u3 = _fma_accumulators(BLOCK_N, BLOCK_K)
-    ss0 = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ss1 = tl.zeros_like(ss0)
-    ss2 = tl.zeros_like(ss0)
-    ss3 = tl.zeros_like(ss0)
-    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k_row = offs_k < K - k
-        wn = tl.load(wn_row, mask=k_row, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        rows = (x_row, res_row, out_row)
-        strides = (stride_am, stride_rm, stride_rom, M, k_row, wn)
-        a0, ss0 = _norm_row(*rows, 0, *strides, ss0, tile, DTYPE, HW)
-        a1 = a0
-        a2 = a0
-        a3 = a0
-        if BLOCK_M > 1:
-            a1, ss1 = _norm_row(*rows, 1, *strides, ss1, tile, DTYPE, HW)
-        if BLOCK_M > 2:
-            a2, ss2 = _norm_row(*rows, 2, *strides, ss2, tile, DTYPE, HW)
-            a3, ss3 = _norm_row(*rows, 3, *strides, ss3, tile, DTYPE, HW)
-        w32 = _load_weight_f32(g_ptrs, n_mask, k_row, DOT_F32)
-        g0, g1, g2, g3 = _fma_vectors(g0, g1, g2, g3, a0, a1, a2, a3, w32, BLOCK_M)
-        if GATED:
-            w32 = _load_weight_f32(u_ptrs, n_mask, k_row, DOT_F32)
-            u0, u1, u2, u3 = _fma_vectors(u0, u1, u2, u3, a0, a1, a2, a3, w32, BLOCK_M)
-            u_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        x_row += BLOCK_K
-        res_row += BLOCK_K
-        out_row += BLOCK_K
-        wn_row += BLOCK_K
-    gate = _fma_result(g0, g1, g2, g3, offs_m, BLOCK_M)
-    up = _fma_result(u0, u1, u2, u3, offs_m, BLOCK_M)
-    return gate, up, _row_rstd(ss0, ss1, ss2, ss3, offs_m, K, eps, BLOCK_M)
+from v1_engine.kernels.triton_gemv_fp8_norm import _norm_fma_loop, _norm_wgmma_loop
 
 
 @triton.jit(do_not_specialize=["M", "stride_sa", "stride_sb"])
@@ -161,6 +76,9 @@ def _fp8_decode_kernel(
     NATIVE: tl.constexpr,
     HW: tl.constexpr,
     PDL: tl.constexpr,
+    ROWS: tl.constexpr,
+    ROW_PAD: tl.constexpr,
+    NORM_DTYPE: tl.constexpr,
 ):
     """The decode kinds: program n owns BLOCK_N of the N output columns over all of K.
     A_FP8 False ("weight_only"): out = (a @ b^T) * scale_b (+ bias), a in 16-bit floats.
@@ -172,7 +90,10 @@ def _fp8_decode_kernel(
     activation is rmsnorm(x + residual) * norm_w, the norm folded in (_norm_fma_loop): every
     program sums h = x + residual's squares over the K it walks anyway, multiplies h by the norm
     weight, and scales its rows by rsqrt(mean(h^2) + eps) at the end; program 0 stores h to
-    residual_out."""
+    residual_out. NORM with NATIVE (the norm kinds' "wgmma" body, _norm_wgmma_loop): every
+    program norms and quantizes the activation as the norm-quant kernel does (ROWS rows of up
+    to ROW_PAD values, the norm's output rounded to NORM_DTYPE) and multiplies it in FP8
+    warpgroup MMAs; the rows' scales act as scale_a."""
     pdl_wait(PDL)
     tile = tl.program_id(0)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -182,7 +103,15 @@ def _fp8_decode_kernel(
     m_mask = offs_m < M
     g_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
     u_ptrs = g_ptrs + N.to(tl.int64) * stride_bn
-    if NATIVE:
+    row_scale = offs_m * 0.0  # the activation rows' scales where A_FP8 or NORM and NATIVE
+    if NATIVE and NORM:
+        gate, up, row_scale = _norm_wgmma_loop(a_ptr, residual_ptr, norm_w_ptr, residual_out_ptr,
+                                               g_ptrs, u_ptrs, n_mask, offs_m, offs_k, M,
+                                               K, stride_am, stride_rm, stride_rom, eps, tile,
+                                               GATED, ROWS, ROW_PAD, BLOCK_M, BLOCK_N, BLOCK_K,
+                                               NUM_STAGES, NORM_DTYPE, DOT_F32, HW)  # fmt: skip
+        pdl_release(PDL)
+    elif NATIVE:
         a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
         gate_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         up_t = tl.zeros_like(gate_t)
@@ -224,13 +153,15 @@ def _fp8_decode_kernel(
         gate = _fma_result(g0, g1, g2, g3, offs_m, BLOCK_M)
         up = _fma_result(u0, u1, u2, u3, offs_m, BLOCK_M)
     dtype = out_ptr.dtype.element_ty
+    scaled_rows = A_FP8 or (NORM and NATIVE)
     if A_FP8:
-        scale_a = tl.load(scale_a_ptr + offs_m * stride_sa, mask=m_mask, other=0.0)
-        gate = gate * scale_a[:, None]
+        row_scale = tl.load(scale_a_ptr + offs_m * stride_sa, mask=m_mask, other=0.0)
+    if scaled_rows:
+        gate = gate * row_scale[:, None]
     gate = gate * tl.load(scale_b_ptr + offs_n * stride_sb, mask=n_mask, other=0.0)[None, :]
     if GATED:
-        if A_FP8:
-            up = up * scale_a[:, None]
+        if scaled_rows:
+            up = up * row_scale[:, None]
         up_scale = tl.load(scale_b_ptr + (N + offs_n) * stride_sb, mask=n_mask, other=0.0)
         result = _silu_mul(gate, up * up_scale[None, :], dtype, HW)
     else:
@@ -244,6 +175,21 @@ def _decode_constexprs(m: int, config: dict[str, int | str], device: torch.devic
     constexprs = _constexprs(m, config, device) | {"HW": not interpreting()}
     del constexprs["SPLIT_K"]
     return constexprs
+
+
+def _norm_constexprs(
+    m: int, k: int, x_dtype: torch.dtype, norm_w_dtype: torch.dtype, wgmma_norm: bool
+) -> dict:
+    """The wgmma norm body's constexprs: its rows, the row's padded length and the norm's
+    output dtype (the promoted dtype of x and the norm weight, as the unfused norm's); fixed
+    stand-ins for every other body, which compiles them out."""
+    if not wgmma_norm:
+        return {"ROWS": 1, "ROW_PAD": 1, "NORM_DTYPE": tl.bfloat16}
+    return {
+        "ROWS": skinny_launch.m_bucket(m),
+        "ROW_PAD": triton.next_power_of_2(k),
+        "NORM_DTYPE": _TL_DTYPES[torch.promote_types(x_dtype, norm_w_dtype)],
+    }
 
 
 def _launch_decode(
@@ -265,6 +211,7 @@ def _launch_decode(
         return out
     a_fp8 = scale_a is not None
     gated = a_fp8 if gated is None else gated
+    wgmma_norm = norm is not None and config["mode"] == "wgmma"
     residual, norm_w, residual_out, eps = norm if norm is not None else (out, out, out, 0.0)
     _fp8_decode_kernel[(triton.cdiv(cols, config["block_n"]),)](
         a,
@@ -292,6 +239,7 @@ def _launch_decode(
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
         **_decode_constexprs(m, config, a.device),
+        **_norm_constexprs(m, a.shape[1], a.dtype, norm_w.dtype, wgmma_norm),
     )
     return out
 
@@ -394,6 +342,8 @@ def precompile_decode(
     args = (a_dtype, fp8, fp32, fp32, out_dtype, out_dtype, m, cols, k, k, k, cols, 1, 1)
     args += (out_dtype, out_dtype, out_dtype, k, k, 1e-6)
     constexprs = _decode_constexprs(m, config, torch.device("cuda"))
+    # (the norm kinds: a norm weight in the model's dtype, like x)
+    constexprs |= _norm_constexprs(m, k, out_dtype, out_dtype, norm and config["mode"] == "wgmma")
     _fp8_decode_kernel.warmup(
         *args, grid=(1,), A_FP8=a_fp8, GATED=gated, HAS_BIAS=False, NORM=norm, **constexprs
     )
