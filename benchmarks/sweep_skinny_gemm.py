@@ -335,6 +335,11 @@ def report(kind: str, name: str, n: int, k: int, results: dict) -> dict:
         if default is not None:
             line += f" | default {default[0]:.1f} us"
         print(line, flush=True)
+        bodies = {}  # the fastest launch of each body (mode), fastest first
+        for t in timed:
+            bodies.setdefault(str(t[2]["mode"]), t[0])
+        if len(bodies) > 1:
+            print("    by body: " + ", ".join(f"{b} {t:.1f} us" for b, t in bodies.items()))
         table[(skinny_launch.m_bucket(m), n, k)] = launch if us < cublas else None
     return table
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fp8_gemm_cases import assert_matches as assert_matches_body
 from test_fp8_decode_gemm import assert_matches, quantized_weight, randn, strided
 
 from compile.passes import fp8_norm_ops
@@ -320,7 +319,14 @@ def test_norm_gemm_llama3_shapes_gpu(m, n, gated):
 @pytest.mark.parametrize(("n", "gated"), [(6144, False), (28672, True)])
 def test_norm_gemm_wgmma_body_llama3_shapes_gpu(m, n, gated):
     """The wgmma body against the quantized chain's reference (the norm-quant reference, then
-    the float32 product of the e4m3 operands), within the FP8 MMA's accumulation bound."""
+    the float32 product of the e4m3 operands). Not bit for bit: the kernel's sum of squares
+    runs in another order than torch's and rsqrt is the hardware's, so a normed value within a
+    few float32 ulps of a bf16 rounding boundary may round the other way and move its e4m3 value
+    one step (2^-3), as the norm-quant kernel's own tests allow; each such element moves every
+    output by |w x| 2^-3, on top of the output's own rounding (up to 2^-7 of the scale at the
+    largest value). So: within 2^-6 of the output's scale everywhere, and far nearer the chain
+    than the unquantized fold (whose activation is off by up to 2^-4 in every element: on the
+    interpreter at K = 1024, mean errors 0.0035 against 0.036)."""
     k = 4096
     x, residual, norm_weight = norm_operands(m, k, torch.bfloat16, seed=m + 30, device="cuda")
     w, scale_w = quantized_weight(n, k, seed=2, device="cuda")
@@ -329,8 +335,12 @@ def test_norm_gemm_wgmma_body_llama3_shapes_gpu(m, n, gated):
             x, residual, norm_weight, EPS, w, scale_w, gated=gated, **launch
         )
         want, want_h = chain_ref(x, residual, norm_weight, w, scale_w, gated=gated)
+        folded, _ = folded_ref(x, residual, norm_weight, w, scale_w, gated=gated)
         assert torch.equal(h, want_h)
-        assert_matches_body(out, want, "wgmma")
+        error = (out.float() - want.float()).abs()
+        scale = want.float().abs().amax().item()
+        assert error.amax().item() <= 2.0**-6 * scale, (error.amax().item(), scale)
+        assert 4 * error.mean() < (out.float() - folded.float()).abs().mean()
 
 
 @pytest.mark.gpu
