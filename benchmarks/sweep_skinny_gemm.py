@@ -337,9 +337,9 @@ def report(kind: str, name: str, n: int, k: int, results: dict) -> dict:
         print(line, flush=True)
         bodies = {}  # the fastest launch of each body (mode), fastest first
         for t in timed:
-            bodies.setdefault(str(t[2]["mode"]), t[0])
-        if len(bodies) > 1:
-            print("    by body: " + ", ".join(f"{b} {t:.1f} us" for b, t in bodies.items()))
+            bodies.setdefault(str(t[2]["mode"]), t)
+        for body, (us, _, launch) in list(bodies.items())[1:]:
+            print(f"    fastest {body}: {us:7.1f} us {launch}", flush=True)
         table[(skinny_launch.m_bucket(m), n, k)] = launch if us < cublas else None
     return table
 
