@@ -239,7 +239,8 @@ PY
 fi
 if [[ " $STAGES " == *" normab "* ]]; then
   # fp8_norm_linear (the add + RMSNorm folded into the FP8 GEMM after it, a default pass): its
-  # GPU tests, the M = 1 sweeps of the "norm" kinds into $NORM_TABLES, then FP8 batch 1 without
+  # GPU tests, the M = 1 sweeps of the "norm" kinds (both bodies, fma and wgmma: each body's
+  # fastest launch is printed) into $NORM_TABLES, then FP8 batch 1 without
   # the pass and with it (and the swept entries), one process each, alternating, GOAL_PROCS
   # rounds.
   # NORMAB_STEPS picks the parts (default all three; a call that cannot fit them all runs
@@ -255,7 +256,7 @@ if [[ " $STAGES " == *" normab "* ]]; then
   for sweep in "norm --shapes qkv" "norm_gated --shapes gate_up"; do
     [[ "$steps" == *" sweeps "* ]] || break
     # shellcheck disable=SC2086
-    python3 benchmarks/sweep_skinny_gemm.py --fp8 $sweep --m 1 --seconds 8 \
+    python3 benchmarks/sweep_skinny_gemm.py --fp8 $sweep --m 1 --seconds 20 \
       --json "$norm_tables" 2>&1 | tee -a "$LOG_DIR/normab_sweeps.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   done
@@ -273,7 +274,7 @@ if [[ " $STAGES " == *" normab "* ]]; then
   done
   { echo; echo "## fp8_norm_linear (tests, sweeps, FP8 batch 1 by round)"
     tail -n 1 "$LOG_DIR/normab_tests.log"
-    grep -E "^\| |wrote" "$LOG_DIR/normab_sweeps.log"
+    grep -E "^\| |M= 1|fastest|wrote" "$LOG_DIR/normab_sweeps.log"
     grep -E "^### round|^\| 1 " "$LOG_DIR/normab.log"; } >> "$summary"
 fi
 if [[ " $STAGES " == *" bf16normab "* ]]; then
