@@ -14,8 +14,7 @@ The contract every kernel here follows:
   transitive along a chain of PDL kernels. Two exceptions, loads of what no kernel of the step
   writes: paged attention loads the step's paging metadata (written before the forward starts;
   a GEMM in front of it has waited on its own predecessor before letting it launch, so it is
-  complete by then), and the one-pass norms load their weight (a parameter) before the wait, as
-  does the FP8 decode kernel's norm-folding wgmma body (kernels/triton_gemv_fp8_norm.py);
+  complete by then), and the one-pass norms load their weight (a parameter) before the wait;
 - where to signal: a short kernel (norms, SiLU-and-mul, RoPE, quant, cache writes) signals first
   (`pdl_enter`), a long one (GEMMs, attention) after its main loop (`pdl_wait` ... `pdl_release`).
   Signalling at the start of a long kernel let the next kernels, and theirs, pile up on the SMs

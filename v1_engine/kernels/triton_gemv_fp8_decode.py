@@ -94,12 +94,6 @@ def _fp8_decode_kernel(
     program norms and quantizes the activation as the norm-quant kernel does (ROWS rows of up
     to ROW_PAD values, the norm's output rounded to NORM_DTYPE) and multiplies it in FP8
     warpgroup MMAs; the rows' scales act as scale_a."""
-    if NATIVE and NORM:
-        # The norm weight's row (a parameter: no kernel of a step writes it) is loaded before
-        # the wait, as the one-pass norms load theirs: its HBM round trip overlaps the kernel
-        # before instead of preceding the prologue's reductions.
-        norm_cols = tl.arange(0, ROW_PAD)
-        norm_w = tl.load(norm_w_ptr + norm_cols, mask=norm_cols < K, other=0.0).to(tl.float32)
     pdl_wait(PDL)
     tile = tl.program_id(0)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -111,9 +105,8 @@ def _fp8_decode_kernel(
     u_ptrs = g_ptrs + N.to(tl.int64) * stride_bn
     row_scale = offs_m * 0.0  # the activation rows' scales where A_FP8 or NORM and NATIVE
     if NATIVE and NORM:
-        gate, up, row_scale = _norm_wgmma_loop(a_ptr, residual_ptr, norm_w_ptr, norm_w,
-                                               residual_out_ptr, g_ptrs, u_ptrs, n_mask, offs_m,
-                                               offs_k, M,
+        gate, up, row_scale = _norm_wgmma_loop(a_ptr, residual_ptr, norm_w_ptr, residual_out_ptr,
+                                               g_ptrs, u_ptrs, n_mask, offs_m, offs_k, M,
                                                K, stride_am, stride_rm, stride_rom, eps, tile,
                                                GATED, ROWS, ROW_PAD, BLOCK_M, BLOCK_N, BLOCK_K,
                                                NUM_STAGES, NORM_DTYPE, DOT_F32, HW)  # fmt: skip

@@ -161,7 +161,7 @@ def _norm_quant_row(tile, x_ptr, res_ptr, w, offs_k, k_row, offs_m, row: tl.cons
 
 
 @triton.jit
-def _norm_wgmma_loop(x_ptr, res_ptr, norm_w_ptr, w, res_out_ptr, g_ptrs, u_ptrs, n_mask, offs_m,
+def _norm_wgmma_loop(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, g_ptrs, u_ptrs, n_mask, offs_m,
                      offs_k, M, K, stride_am, stride_rm, stride_rom, eps, tile,
                      GATED: tl.constexpr, ROWS: tl.constexpr, ROW_PAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -170,10 +170,10 @@ def _norm_wgmma_loop(x_ptr, res_ptr, norm_w_ptr, w, res_out_ptr, g_ptrs, u_ptrs,
     """The wgmma body of the "norm" kinds: (gate, up, scale), gate / up [BLOCK_M, BLOCK_N] the
     e4m3 activation rows times the weight rows (up zeros unless GATED), scale [BLOCK_M] each
     row's activation scale. The prologue norms the first ROWS (<= 4) rows whole (ROW_PAD >= K
-    lanes; `w` is the norm weight's row in float32, which the kernel loads before its PDL
-    wait); each K step then recomputes their slice of the activation and quantizes it."""
+    lanes); each K step then recomputes their slice of the activation and quantizes it."""
     cols = tl.arange(0, ROW_PAD)
     in_row = cols < K
+    w = tl.load(norm_w_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
     first = (cols * 0 + tile) == 0
     r0, s0 = _norm_row_stats(x_ptr, res_ptr, res_out_ptr, w, cols, in_row, first, 0, M, K,
                              stride_am, stride_rm, stride_rom, eps, NORM_DTYPE, HW)  # fmt: skip
