@@ -33,6 +33,7 @@ from v1_engine.kernels.fp8 import FP8_MAX, FP8_MIN_SCALE
 from v1_engine.kernels.pdl import launch_options, pdl_enter
 from v1_engine.kernels.triton_quant import (
     _as_rows,
+    _dynamic_scale,
     _num_warps,
     _quant_outputs,
     _quantize_to_fp8,
@@ -224,7 +225,7 @@ def _rms_norm_quant_kernel(
                     HW,
                 )
                 amax = tl.maximum(amax, tl.abs(y))
-            scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_), MIN_SCALE)
+            scale = _dynamic_scale(tl.max(amax, axis=0), FP8_MAX_, MIN_SCALE)
             tl.store(scale_ptr + row * groups_per_row + group, scale)
             for chunk in range(start, end, BLOCK):
                 cols = chunk + offsets
@@ -313,7 +314,7 @@ def _silu_and_mul_quant_kernel(
             cols = chunk + offsets
             y = _silu_and_mul(x_row, cols, cols < end, half_len, IN_DTYPE, HW)
             amax = tl.maximum(amax, tl.abs(y))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_), MIN_SCALE)
+        scale = _dynamic_scale(tl.max(amax, axis=0), FP8_MAX_, MIN_SCALE)
         tl.store(scale_ptr + row * groups_per_row + group, scale)
         for chunk in range(start, end, BLOCK):
             cols = chunk + offsets

@@ -18,14 +18,14 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels.fp8 import FP8_MAX, FP8_MIN_SCALE
-from v1_engine.kernels.triton_fused_quant import _round_to
+from v1_engine.kernels.triton_fused_quant import _residual_sum, _round_to
 from v1_engine.kernels.triton_gemv_fp8 import (
     _fma_accumulators,
     _fma_result,
     _load_weight_f32,
     _swapped_mma,
 )
-from v1_engine.kernels.triton_quant import _quantize_to_fp8
+from v1_engine.kernels.triton_quant import _dynamic_scale, _quantize_to_fp8
 
 _E4M3_MAX = tl.constexpr(FP8_MAX)
 _MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
@@ -132,13 +132,12 @@ def _norm_row_stats(x_ptr, res_ptr, res_out_ptr, w, cols, in_row, first, row: tl
     norm-quant kernel of kernels/triton_fused_quant.py rounds them. A row past M reads zeros."""
     DTYPE = x_ptr.dtype.element_ty
     mask = in_row & ((cols * 0 + row) < M)
-    x = tl.load(x_ptr + row * stride_am + cols, mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(res_ptr + row * stride_rm + cols, mask=mask, other=0.0).to(tl.float32)
-    h = _round_to(x + r, DTYPE, HW)
+    h = _residual_sum(x_ptr + row * stride_am, res_ptr + row * stride_rm, cols, mask, True,
+                      DTYPE, HW)  # fmt: skip
     tl.store(res_out_ptr + row * stride_rom + cols, h.to(DTYPE), mask=mask & first)
     rstd = tl.math.rsqrt(tl.math.div_rn(tl.sum(h * h, axis=0), K.to(tl.float32)) + eps)
     y = _round_to(w * _round_to(h * rstd, DTYPE, HW), NORM_DTYPE, HW)
-    return rstd, tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), _E4M3_MAX), _MIN_SCALE)
+    return rstd, _dynamic_scale(tl.max(tl.abs(y), axis=0), _E4M3_MAX, _MIN_SCALE)
 
 
 @triton.jit

@@ -82,6 +82,13 @@ def _quantize_to_fp8(y, scale, FP8_MAX_: tl.constexpr, HW: tl.constexpr):
 
 
 @triton.jit
+def _dynamic_scale(amax, FP8_MAX_: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """A dynamic e4m3 scale, max(amax / FP8_MAX_, MIN_SCALE), the division correctly rounded
+    (fp8._scale_from_amax's, the references')."""
+    return tl.maximum(tl.math.div_rn(amax, FP8_MAX_), MIN_SCALE)
+
+
+@triton.jit
 def _store_groups(
     y,
     q_row,
@@ -99,7 +106,7 @@ def _store_groups(
     groups; lanes past the row are zeros): scales to scale_row, e4m3 values to q_row."""
     groups = tl.reshape(y, [BLOCK // GROUP, GROUP])
     amax = tl.max(tl.abs(groups), axis=1)
-    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX_), MIN_SCALE)
+    scale = _dynamic_scale(amax, FP8_MAX_, MIN_SCALE)
     group_ids = tl.arange(0, BLOCK // GROUP)
     tl.store(scale_row + group_ids, scale, mask=group_ids < num_groups)
     q = tl.reshape(_quantize_to_fp8(groups, scale[:, None], FP8_MAX_, HW), [BLOCK])
