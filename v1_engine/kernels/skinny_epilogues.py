@@ -46,7 +46,9 @@ batch 64 5.41 vs 5.41."""
 
 NORM_IN_M_BUCKETS: tuple[int, ...] = ()
 """M buckets the folded-norm kernel (`skinny_gemm_add_norm`, the `skinny_norm_linear` pass's op)
-runs for; the others take the add + RMSNorm kernel and the GEMM op. Empty until measured."""
+runs for; the others take the add + RMSNorm kernel and the GEMM op. Empty: at the plain GEMM's
+table launches the fold measured slower (H100, bf16 batch 1 5.50 -> 5.99 ms a step, batch 64 x 1k
+9.26 -> 14.0; benchmarks/RESULTS.md, "The bf16 norm fold measured")."""
 
 NORM_EPILOGUE_MAX_M = 4
 """Most rows the ADD_NORM epilogue takes (its last program walks them all); beyond, the GEMM is
