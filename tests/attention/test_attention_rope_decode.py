@@ -75,14 +75,14 @@ def unfused(case, num_splits):
     return out, cache
 
 
-def fused(case, num_splits, launch=None):
+def fused(case, num_splits):
     cache = case["kv_cache"].clone()
     cos, sin, neox = case["tables"]
     rope = (case["k"], case["v"], case["positions"], cos, sin, neox, case["slots"])
     out = torch.full(case["q"].shape, float("nan"), dtype=case["q"].dtype, device=DEVICE)
     ta.paged_attention(case["q"], cache, case["block_table"], case["seq_lens"],
                        case["query_start_loc"], 1, case["max_seq_len"], case["scale"], out,
-                       num_splits=num_splits, rope=rope, launch=launch)  # fmt: skip
+                       num_splits=num_splits, rope=rope)  # fmt: skip
     return out, cache
 
 
@@ -90,40 +90,35 @@ def fused(case, num_splits, launch=None):
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 2, 4])
-@pytest.mark.parametrize("preload", [0, 1])
-def test_fused_decode_rope_equals_rope_write_then_attend(neox, dtype, num_splits, preload):
+def test_fused_decode_rope_equals_rope_write_then_attend(neox, dtype, num_splits):
     """Contexts 31 / 63 put the new token last in a 32-token tile (float32 decode tile) and
-    last in a block; 64 first in one; GQA 3 padded to 4; head size 24 (half not a power of 2).
-    With `preload` each piece's first tile is read before the PDL wait and the new token's
-    column is put in from registers: the same outputs, bit for bit."""
+    last in a block; 64 first in one; GQA 3 padded to 4; head size 24 (half not a power of 2)."""
     case = decode_case([31, 63, 64, 100, 5], 6, 2, 24, 8, dtype, neox, seed=11)
     out_ref, cache_ref = unfused(case, num_splits)
-    out, cache = fused(case, num_splits, {"preload": preload})
+    out, cache = fused(case, num_splits)
     assert torch.equal(cache, cache_ref), "the new K/V must land in the cache exactly"
     assert not out.isnan().any()
     torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(_CUDA, reason="the gpu case covers this on a CUDA machine")
-@pytest.mark.parametrize("preload", [0, 1])
-def test_fused_decode_rope_with_a_padding_request_and_empty_splits(preload):
+def test_fused_decode_rope_with_a_padding_request_and_empty_splits():
     """A trailing request without a query token (its query start is num_tokens: the kernel
     must read neither its position nor its slot) and 16 splits over contexts of 1-4 tiles
-    (empty splits whose ranges start past the block-table row; with `preload` their clamped
-    first tile, which may hold the new token, must add nothing)."""
+    (empty splits whose ranges start past the block-table row)."""
     case = decode_case([3, 100, 40], 4, 2, 16, 8, torch.float32, True, seed=17)
     tokens = case["q"].shape[0]
     case["seq_lens"] = torch.cat([case["seq_lens"], case["seq_lens"][:1]])
     case["query_start_loc"] = torch.cat([case["query_start_loc"], case["query_start_loc"][-1:]])
     case["block_table"] = torch.cat([case["block_table"], case["block_table"][:1]])
     out_ref, cache_ref = unfused(case, 16)
-    out, cache = fused(case, 16, {"preload": preload})
+    out, cache = fused(case, 16)
     assert out.shape[0] == tokens
     assert torch.equal(cache, cache_ref)
     torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
 
 
-def fp8_cache_pair(case, num_splits, launch=None):
+def fp8_cache_pair(case, num_splits):
     """(fused, reference) outputs and caches over an e4m3 copy of the case's cache: the fused
     launch against rotary -> FP8 cache write -> attention."""
     cache0 = (case["kv_cache"].float() * 8).to(torch.float8_e4m3fn)
@@ -141,9 +136,7 @@ def fp8_cache_pair(case, num_splits, launch=None):
     cache = cache0.clone()
     out = torch.full_like(q_rot, float("nan"))
     rope = (case["k"], case["v"], case["positions"], cos, sin, neox, case["slots"])
-    ta.paged_attention(
-        case["q"], cache, *meta, out, num_splits=num_splits, rope=rope, launch=launch, **scales
-    )
+    ta.paged_attention(case["q"], cache, *meta, out, num_splits=num_splits, rope=rope, **scales)
     assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8))
     assert not out.isnan().any()
     return out, out_ref
@@ -152,13 +145,12 @@ def fp8_cache_pair(case, num_splits, launch=None):
 @pytest.mark.skipif(_CUDA, reason="the gpu case covers this on a CUDA machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("preload", [0, 1])
-def test_fused_decode_rope_with_an_fp8_cache(dtype, num_splits, preload):
+def test_fused_decode_rope_with_an_fp8_cache(dtype, num_splits):
     """An e4m3 cache: the kernel quantizes the rotated key and the value as the FP8 cache write
     does (kernels/triton_cache.py), so the cache and the outputs equal rotary -> FP8 write ->
-    attention bit for bit (with `preload`, the new token's column in e4m3 as read back)."""
+    attention bit for bit."""
     case = decode_case([31, 63, 64, 100, 5], 6, 2, 24, 8, dtype, True, seed=13)
-    out, out_ref = fp8_cache_pair(case, num_splits, {"preload": preload})
+    out, out_ref = fp8_cache_pair(case, num_splits)
     torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
 
 
@@ -182,10 +174,9 @@ def test_fused_decode_rope_rejects_prefill_and_bad_arguments():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("batch", [1, 7, 64])
-@pytest.mark.parametrize("num_splits", [None, 4, 32])
+@pytest.mark.parametrize("num_splits", [None, 4])
 def test_gpu_fused_decode_rope_llama3_heads(batch, num_splits):
-    """32 query / 8 kv heads of 128, 16-token blocks, bf16, contexts around the 64-token tile
-    (32 splits: each piece's first tile read before the PDL wait)."""
+    """32 query / 8 kv heads of 128, 16-token blocks, bf16, contexts around the 64-token tile."""
     gen = torch.Generator().manual_seed(batch)
     contexts = torch.randint(0, 1500, (batch,), generator=gen).tolist()
     contexts[0] = 127  # the new token last in a tile
@@ -199,7 +190,7 @@ def test_gpu_fused_decode_rope_llama3_heads(batch, num_splits):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("num_splits", [None, 4, 32])
+@pytest.mark.parametrize("num_splits", [None, 4])
 def test_gpu_fused_decode_rope_fp8_cache(num_splits):
     """Llama-3-8B heads over an e4m3 cache: the fused launch quantizes the new K/V exactly as the
     FP8 cache write, and attends as rotary -> FP8 write -> attention does."""

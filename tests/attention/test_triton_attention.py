@@ -299,11 +299,10 @@ def plan(max_query_len=1, num_tokens=1, num_reqs=1, max_seq_len=32768, target=26
 
 def test_plan_launch_decode_splits_on_a_narrow_tile():
     # Batch 1: one q-block of 4 tokens x 4 heads (16 rows), 8 programs: 32 splits of 32-row
-    # tiles, more than FUSED_MERGE_MAX_SPLITS, so the second kernel merges them; as many as
-    # PRELOAD_MIN_SPLITS, so a rotary launch reads each piece's first tile before the wait.
+    # tiles, more than FUSED_MERGE_MAX_SPLITS, so the second kernel merges them.
     assert plan() == AttentionLaunch(block_m=16, block_q=4, tile=SPLIT_DECODE_TILE, num_warps=4,
                                      num_stages=2, num_q_blocks=1, num_splits=32,
-                                     fused_merge=False, preload=True, options={})  # fmt: skip
+                                     fused_merge=False, options={})  # fmt: skip
     # Batch 4 at 4k: 32 programs, 8 splits, merged in the launch.
     batch4 = plan(num_tokens=4, num_reqs=4, max_seq_len=4096)
     assert (batch4.num_q_blocks, batch4.tile, batch4.num_splits) == (5, SPLIT_DECODE_TILE, 8)
@@ -332,8 +331,7 @@ def test_plan_launch_overrides_win(monkeypatch):
     launch = {"block_m": 2, "tile": 128, "num_warps": 8, "num_stages": 3}
     assert plan(launch=launch) == AttentionLaunch(block_m=4, block_q=1, tile=128, num_warps=8,
                                                   num_stages=3, num_q_blocks=2, num_splits=32,
-                                                  fused_merge=False, preload=True,
-                                                  options={})  # fmt: skip
+                                                  fused_merge=False, options={})  # fmt: skip
     wide = plan(launch={"block_m": 64})
     assert (wide.block_m, wide.block_q, wide.tile) == (64, 16, SPLIT_DECODE_TILE)
     # maxnreg reaches the compiler's options, except under the interpreter.
@@ -354,16 +352,6 @@ def test_plan_launch_forced_splits_and_merge():
     assert plan(num_splits=2 * top, launch={"fused_merge": 1}).fused_merge
     assert not plan(num_splits=4, launch={"fused_merge": 0}).fused_merge
     assert not plan(num_splits=1, launch={"fused_merge": 1}).fused_merge
-
-
-def test_plan_launch_preloads_the_latency_bound_splits():
-    # From PRELOAD_MIN_SPLITS pieces on (batch 1 and 2 on 132 SMs) a piece's first tile is read
-    # before the PDL wait; fewer pieces keep their registers for occupancy; `preload` forces it.
-    top = al.PRELOAD_MIN_SPLITS
-    assert plan(num_splits=top).preload and plan(num_splits=2 * top).preload
-    assert not plan(num_splits=top // 2).preload and not plan(num_splits=1).preload
-    assert plan(num_splits=1, launch={"preload": 1}).preload
-    assert not plan(num_splits=top, launch={"preload": 0}).preload
 
 
 def test_plan_launch_rejects_bad_arguments():

@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from v1_engine.kernels import triton_attention, triton_mla, triton_split_kv
+from v1_engine.kernels import triton_attention, triton_mla
 
 # Multi-buffered shared-memory allocations: memdesc<{buffers}x{rows}x{cols}x{type}.
 _BUFFERS = re.compile(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x(\d+)x(\d+)x")
@@ -137,7 +137,7 @@ def _request_tensors(reqs: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main() -> None:
-    for module in (triton_attention, triton_mla, triton_split_kv):
+    for module in (triton_attention, triton_mla):
         for value in vars(module).values():
             if isinstance(value, triton.JITFunction) and value.fn.__module__ == module.__name__:
                 value.run = probe._recorder(value)
@@ -163,17 +163,6 @@ def main() -> None:
     rope = (kv, kv, positions, tables, tables, True, positions)
     triton_attention.paged_attention(*attention, rope=rope)
     results["rope_decode_attention"] = _resources("_paged_attention_kernel")
-    # Batch 1 over graphs captured for 8k: 32 splits, each piece's first tile read before the
-    # PDL wait (attention_launch.PRELOAD_MIN_SPLITS).
-    one = _attention_inputs(1, 8192)
-    one_kv = torch.zeros(1, kv_heads, head, dtype=torch.bfloat16)
-    one_rope = (one_kv, one_kv, positions[:1], tables, tables, True, positions[:1])
-    triton_attention.paged_attention(*one, num_splits=32, rope=one_rope)
-    compiled, _, constexprs = compile_recorded("_paged_attention_kernel")
-    results["preload_decode_attention"] = _resources("_paged_attention_kernel") | {
-        "preload": constexprs["PRELOAD"],
-        "stack": register_usage(compiled)[1],
-    }
     for key, cap in (("default_mla", None), ("capped_mla", 128)):
         triton_mla.mla_decode(*mla, maxnreg=cap)
         results[key] = _resources("_mla_decode_kernel")

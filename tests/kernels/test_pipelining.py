@@ -58,16 +58,6 @@ def test_rope_decode_attention_fits_five_programs_per_sm(buffers):
     assert programs_per_sm(usage["registers"], usage["shared"], usage["num_warps"]) >= 5, usage
 
 
-def test_preload_decode_attention_spills_nothing_and_fills_the_device(buffers):
-    """Batch 1 over graphs captured for 8k (32 splits) reads each piece's first K/V tile before
-    the PDL wait and holds it through the rotation: no spills, and still two programs an SM,
-    so the 256 programs of the launch (8 kv heads x 32 pieces) are resident at once on 132 SMs."""
-    usage = buffers["preload_decode_attention"]
-    assert usage["preload"] is True, usage
-    assert usage["stack"] == 0, usage
-    assert programs_per_sm(usage["registers"], usage["shared"], usage["num_warps"]) >= 2, usage
-
-
 def test_attention_launch_caps_registers(buffers):
     """`launch={"maxnreg": 64}` reaches the compiler (the sweep tries capped launches)."""
     assert buffers["capped_decode_attention"]["registers"] <= 64

@@ -99,23 +99,7 @@ def fused_merge_for(num_splits: int, launch: dict[str, int] | None) -> bool:
     return num_splits <= FUSED_MERGE_MAX_SPLITS
 
 
-PRELOAD_MIN_SPLITS = 16
-"""Split launches of at least this many pieces (batch 1 and 2 on 132 SMs: the latency-bound
-ones, merged by the second kernel) read each piece's first key tile before the PDL wait, where
-the kernel fuses the rotary embedding (decode graphs): the block table's and the cache's HBM
-round trips then overlap the GEMM in front, at the cost of two tiles held in registers through
-the wait. `launch={"preload": 0|1}` forces either."""
-
-
-def preload_for(num_splits: int, launch: dict[str, int] | None) -> bool:
-    """Whether a launch reads its first key tile before the PDL wait: `launch["preload"]`
-    where given, else from PRELOAD_MIN_SPLITS splits on."""
-    if launch and "preload" in launch:
-        return bool(launch["preload"])
-    return num_splits >= PRELOAD_MIN_SPLITS
-
-
-LAUNCH_KEYS = ("block_m", "tile", "num_warps", "num_stages", "maxnreg", "fused_merge", "preload")
+LAUNCH_KEYS = ("block_m", "tile", "num_warps", "num_stages", "maxnreg", "fused_merge")
 """Keys `paged_attention`'s `launch` may override."""
 
 
@@ -137,8 +121,6 @@ class AttentionLaunch:
     """Split-KV pieces of each q-block's key range (1 = no split)."""
     fused_merge: bool
     """Whether the split pieces merge in the launch (False without a split)."""
-    preload: bool = False
-    """Whether a rotary (decode) launch reads each piece's first key tile before the PDL wait."""
     options: dict[str, int] = field(default_factory=dict)
     """Further compiler options of the launch (maxnreg)."""
 
@@ -186,7 +168,6 @@ def plan_launch(
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     fused_merge = num_splits > 1 and fused_merge_for(num_splits, launch)
-    preload = preload_for(num_splits, launch)
     return AttentionLaunch(
         block_m=block_m,
         block_q=block_q,
@@ -196,7 +177,6 @@ def plan_launch(
         num_q_blocks=num_q_blocks,
         num_splits=num_splits,
         fused_merge=fused_merge,
-        preload=preload,
         options=options,
     )
 

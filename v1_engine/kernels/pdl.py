@@ -14,10 +14,7 @@ The contract every kernel here follows:
   transitive along a chain of PDL kernels. Two exceptions, loads of what no kernel of the step
   writes: paged attention loads the step's paging metadata (written before the forward starts;
   a GEMM in front of it has waited on its own predecessor before letting it launch, so it is
-  complete by then) and, in its latency-bound rotary launches, each piece's first K/V tile short
-  of the new token (written by earlier steps; only the attention of its layer writes that
-  cache, and the new token's column comes from registers), and the one-pass norms load their
-  weight (a parameter) before the wait;
+  complete by then), and the one-pass norms load their weight (a parameter) before the wait;
 - where to signal: a short kernel (norms, SiLU-and-mul, RoPE, quant, cache writes) signals first
   (`pdl_enter`), a long one (GEMMs, attention) after its main loop (`pdl_wait` ... `pdl_release`).
   Signalling at the start of a long kernel let the next kernels, and theirs, pile up on the SMs

@@ -116,17 +116,6 @@ def _first_offsets(table_row, tile_lo, tile_hi, kv_len, kv_head, stride_cb, stri
 
 
 @triton.jit
-def _softmax_step(m_i, l_i, scores):
-    """One key tile's online-softmax update: the new running max, the tile's probabilities
-    (exp2 of the scores, in log2 units, less that max), the factor rescaling what came before,
-    and the new running sum."""
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    p = tl.exp2(scores - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    return m_new, p, alpha, l_i * alpha + tl.sum(p, 1)
-
-
-@triton.jit
 def _attend_tiles(
     m_i,
     l_i,
@@ -182,7 +171,10 @@ def _attend_tiles(
         if MASKED:
             visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
             scores = tl.where(visible, scores, float("-inf"))
-        m_new, p, alpha, l_i = _softmax_step(m_i, l_i, scores)
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
             kv_mask = pos_valid[:, None] & dim_valid[None, :]
             v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
@@ -211,7 +203,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
     USE_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr,
-    ROPE: tl.constexpr, IS_NEOX: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr, IS_NEOX: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # The paging metadata (query starts, sequence lengths, block table, and with ROPE the
     # position and slot) is read before the PDL wait: the step writes it
@@ -255,24 +247,7 @@ def _paged_attention_kernel(
         # empty split's range may start past the table row: its first tile is clamped, as
         # `_first_offsets` clamps it, and nothing is read past kv_len.
         warm_pos = tl.maximum(tl.minimum(tile_lo, tile_hi - 1), 0) * TILE
-        if PRELOAD:
-            # The piece's first key tile itself, read before the wait (a latency-bound split
-            # launch, where registers are not what limits it): its positions before the new
-            # token's were written by earlier steps, and no kernel of this step writes them;
-            # the new token's column comes from the QKV output after the wait. So the block
-            # table's and the cache's HBM round trips overlap the GEMM in front.
-            pre_pos = warm_pos + tl.arange(0, TILE)
-            pre_off = _kv_offsets(table_row, warm_pos // TILE, tl.arange(0, TILE), kv_len,
-                                  kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE)  # fmt: skip
-            # An empty piece's clamped tile (it may hold the new token) is read as nothing.
-            pre_end = tl.where(tile_lo < tile_hi, kv_len, 0)
-            pre_old = pre_pos < pre_end - 1
-            k_pre = tl.load(k_cache_ptr + pre_off[None, :] + dims[:, None],
-                            mask=pre_old[None, :] & dim_valid[:, None], other=0.0)  # fmt: skip
-            v_pre = tl.load(v_cache_ptr + pre_off[:, None] + dims[None, :],
-                            mask=pre_old[:, None] & dim_valid[None, :], other=0.0)  # fmt: skip
-        else:
-            tl.load(table_row + warm_pos // BLOCK_SIZE, mask=warm_pos < kv_len, volatile=True)
+        tl.load(table_row + warm_pos // BLOCK_SIZE, mask=warm_pos < kv_len, volatile=True)
         half = tl.arange(0, HEAD_PAD // 2)
         half_ok = half < HEAD_SIZE // 2
         tl.load(cos_ptr + position * (HEAD_SIZE // 2) + half, mask=half_ok, volatile=True)
@@ -310,21 +285,27 @@ def _paged_attention_kernel(
         k_new = rotate_rows(k_src, k_partner, cos, sin, first).to(q_ptr.dtype.element_ty)
         v_row = v_new_ptr + q_start.to(tl.int64) * stride_vnt + kv_head * stride_vnh
         v_new = tl.load(v_row + dims, mask=dim_valid, other=0.0)
-        cache_ty = k_cache_ptr.dtype.element_ty
-        if KV_FP8:  # as the FP8 cache write stores the rotated (model-dtype) key
-            k_new = quantize_e4m3(k_new, tl.load(k_scale_ptr)).to(cache_ty)
-            v_new = quantize_e4m3(v_new, tl.load(v_scale_ptr)).to(cache_ty)
         # Only the split whose tiles hold the new position reads it, so it alone writes it;
         # the barrier makes the stores visible to the program's other threads (CTA scope).
         new_tile = (seq_len - 1) // TILE
         if (new_tile >= tile_lo) & (new_tile < tile_hi) & (slot >= 0):
             cache_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
             cache_off += kv_head * stride_ch + dims
-            tl.store(k_cache_ptr + cache_off, k_new, mask=dim_valid)
-            tl.store(v_cache_ptr + cache_off, v_new, mask=dim_valid)
+            cache_ty = k_cache_ptr.dtype.element_ty
+            if KV_FP8:  # as the FP8 cache write stores the rotated (model-dtype) key
+                k_q = quantize_e4m3(k_new, tl.load(k_scale_ptr))
+                v_q = quantize_e4m3(v_new, tl.load(v_scale_ptr))
+                tl.store(k_cache_ptr + cache_off, k_q.to(cache_ty), mask=dim_valid)
+                tl.store(v_cache_ptr + cache_off, v_q.to(cache_ty), mask=dim_valid)
+            else:
+                tl.store(k_cache_ptr + cache_off, k_new, mask=dim_valid)
+                tl.store(v_cache_ptr + cache_off, v_new, mask=dim_valid)
         tl.debug_barrier()
     else:
         q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
+    if ROPE:
+        first_off = _first_offsets(table_row, tile_lo, full_hi, kv_len, kv_head, stride_cb,
+                                   stride_cs, stride_ch, BLOCK_SIZE, TILE)  # fmt: skip
     if DOT_F32:
         q = q.to(tl.float32)
     q_pos = context_len + tok_local  # absolute position of each row's token
@@ -336,25 +317,6 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    if PRELOAD:
-        # The preloaded tile with the new token's column (decode: the one query row's position
-        # is kv_len - 1, so the causal mask is the end of the sequence); an empty piece sees
-        # nothing of it. The loops below go on from the next tile.
-        is_new = pre_pos == kv_len - 1
-        if DOT_F32 or KV_FP8:
-            k_pre = k_pre.to(q.dtype)
-            v_pre = v_pre.to(q.dtype)
-        k_pre = tl.where(is_new[None, :], k_new.to(k_pre.dtype)[:, None], k_pre)
-        v_pre = tl.where(is_new[:, None], v_new.to(v_pre.dtype)[None, :], v_pre)
-        scores = tl.dot(q, k_pre, input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where((pre_pos < pre_end)[None, :], scores, float("-inf"))
-        m_i, p, alpha, l_i = _softmax_step(m_i, l_i, scores)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v_pre.dtype), v_pre, input_precision=DOT_PRECISION)
-        tile_lo = tile_lo + 1
-        full_hi = tl.maximum(full_hi, tile_lo)
-    if ROPE:
-        first_off = _first_offsets(table_row, tile_lo, full_hi, kv_len, kv_head, stride_cb,
-                                   stride_cs, stride_ch, BLOCK_SIZE, TILE)  # fmt: skip
     m_i, l_i, acc = _attend_tiles(
         m_i, l_i, acc, q, q_pos, first_off, tile_lo, full_hi, kv_len, table_row, k_cache_ptr,
         v_cache_ptr, kv_head, dims, dim_valid, scale_log2, stride_cb, stride_cs, stride_ch, BLOCK_SIZE, TILE,
@@ -449,8 +411,7 @@ def paged_attention(
     (float32 [1] tensors, required then); a cache in the query's dtype ignores the scales.
     `launch` overrides the launch configuration (keys block_m, tile, num_warps, num_stages,
     maxnreg: a cap on registers per thread, so more programs fit an SM; fused_merge: 1 / 0 to
-    merge split-KV pieces in the launch or in a second kernel; preload: 1 / 0 for a `rope`
-    launch to read each piece's first key tile before the PDL wait or after it; tuning).
+    merge split-KV pieces in the launch or in a second kernel; tuning).
 
     `rope` = (key, value, positions, cos_cache, sin_cache, is_neox_style, slot_mapping), decode
     steps only (max_query_len 1): query and key arrive not yet rotated (views of the QKV GEMM
@@ -504,8 +465,7 @@ def paged_attention(
         HEAD_PAD=head_pad, BLOCK_SIZE=kv_cache.shape[2], BLOCK_Q=plan.block_q,
         BLOCK_M=plan.block_m, TILE=plan.tile, USE_SPLITS=use_splits, FUSED_MERGE=plan.fused_merge,
         DOT_PRECISION="ieee" if dot_f32 else "tf32", DOT_F32=dot_f32, KV_FP8=kv_fp8,
-        ROPE=rope is not None, IS_NEOX=is_neox, PRELOAD=rope is not None and plan.preload,
-        num_warps=plan.num_warps,
+        ROPE=rope is not None, IS_NEOX=is_neox, num_warps=plan.num_warps,
         num_stages=plan.num_stages, **plan.options, **launch_options(query.device),
     )  # fmt: skip
     if use_splits and not plan.fused_merge:
