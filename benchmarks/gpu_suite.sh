@@ -8,7 +8,8 @@
 # $OUT (the device tool's output folder) or benchmarks/logs/.
 # Knobs: BENCH_MODEL (a folder of benchmarks/configs, default llama3-8b), LATENCY_ARGS,
 # THROUGHPUT_ARGS (extra flags), SUITE_STAGES (any of: tests latency throughput startup fp8
-# deepseek profile sweeps fp8tests fp8decode fp8ab fp8goal modes mergeab normab bf16normab; default the first three). `sweeps` runs
+# deepseek profile sweeps fp8tests fp8decode fp8ab fp8goal modes mergeab normab bf16normab
+# waveab; default the first three). `sweeps` runs
 # the launch sweeps of the skinny GEMM and the attention kernel: paste their tables. The FP8
 # decode stages, each meant for one 10-minute device call: `fp8tests` the GPU tests of the
 # FP8 decode kernels, ops and passes; `fp8decode` their sweeps at M 1 / 2 / 4 into one table
@@ -24,6 +25,10 @@
 # `normab` runs fp8_norm_linear's GPU tests, sweeps its "norm" kinds at M = 1 and times FP8
 # batch 1 without and with the pass and those entries, GOAL_PROCS rounds. `bf16normab` does the
 # same for skinny_norm_linear (bf16 batch 1 and 64 x 1k, NORM_IN_M_BUCKETS patched).
+# `waveab` runs the FP8 decode kernel's GPU and PTX tests, then FP8 batch 1 with its last-wave
+# early release and its pre-wait weight prefetch (triton_gemv_fp8_decode's
+# EARLY_RELEASE_PER_SM / PREFETCH_STAGES, both 0 by default) patched on, alone and together,
+# against the base, alternating, one process each, GOAL_PROCS rounds (default 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=${OUT:-benchmarks/logs}
@@ -310,6 +315,27 @@ PY
   { echo; echo "## skinny_norm_linear (tests; bf16 batch 1 and 64 x 1k by variant)"
     tail -n 1 "$LOG_DIR/bf16normab_tests.log"
     grep -E "^== |^ *\| [0-9]" "$LOG_DIR/bf16normab.log"; } >> "$summary"
+fi
+if [[ " $STAGES " == *" waveab "* ]]; then
+  python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_fp8_decode_gemm.py \
+    tests/kernels/test_pdl.py 2>&1 | tee "$LOG_DIR/waveab_tests.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  python3 - "$LOG_DIR/waveab.json" "${GOAL_PROCS:-2}" <<'PY'
+import json, sys
+path = "v1_engine/kernels/triton_gemv_fp8_decode.py"
+early = [path, "EARLY_RELEASE_PER_SM = 0", "EARLY_RELEASE_PER_SM = 1"]
+prefetch = [path, "PREFETCH_STAGES = 0", "PREFETCH_STAGES = 2"]
+rounds = [["base", []], ["early release", [early]], ["prefetch", [prefetch]],
+          ["early release + prefetch", [early, prefetch]]]
+json.dump(rounds * int(sys.argv[2]), open(sys.argv[1], "w"))
+PY
+  python3 benchmarks/ab_variants.py "$LOG_DIR/waveab.json" "python3 benchmarks/latency.py \
+    --model $MODEL --quantization fp8 --batch-sizes 1 --prefill-lens '' --decode-steps 64 \
+    --repeats 2" 2>&1 | tee "$LOG_DIR/waveab.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  { echo; echo "## FP8 decode kernel: last-wave release / weight prefetch (tests; FP8 batch 1)"
+    tail -n 1 "$LOG_DIR/waveab_tests.log"
+    grep -E "^== |^ *\| 1 " "$LOG_DIR/waveab.log"; } >> "$summary"
 fi
 cp benchmarks/RESULTS.md "$LOG_DIR/RESULTS.md" 2>/dev/null
 cat "$summary"

@@ -90,8 +90,14 @@ def _positions(ptx: str) -> dict:
     memory = [i for i, line in enumerate(lines) if _MEMORY_OP.search(line)]
     wait = first("griddepcontrol.wait")
     before = [lines[i] for i in memory if i < wait]
+    releases = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
+    prefetches = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2" in line]
     return {
         "launch_dependents": first("griddepcontrol.launch_dependents"),
+        "last_launch_dependents": releases[-1] if releases else -1,
+        "releases": len(releases),
+        "prefetches_before_wait": sum(1 for i in prefetches if i < wait),
+        "prefetches": len(prefetches),
         "wait": wait,
         "first_memory_op": memory[0] if memory else -1,
         "memory_ops": len(memory),
@@ -195,6 +201,25 @@ def main() -> None:
             "launch_pdl": bool(compiled.metadata.launch_pdl),
             "pdl_constexpr": bool(constexprs.get("PDL")),
         }
+    # The FP8 decode kernel with its weight rows prefetched into L2 before the wait.
+    triton_gemv_fp8_decode.PREFETCH_STAGES = 2
+    a8 = torch.randn(2, 256).to(torch.float8_e4m3fn)
+    b8 = torch.randn(128, 256).to(torch.float8_e4m3fn)
+    triton_gemv_fp8_decode.fp8_gated_gemm(
+        a8, b8, torch.ones(2, 1), torch.ones(128, 1), torch.bfloat16
+    )
+    kernel, args, kwargs = recorded["_fp8_decode_kernel"]
+    options = {key: kwargs.pop(key) for key in _LAUNCH_OPTIONS if key in kwargs}
+    signature, constexprs = _signature(kernel, args, kwargs)
+    compiled = triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+        target=target,
+        options=options,
+    )
+    report["_fp8_decode_kernel+prefetch"] = _positions(compiled.asm["ptx"]) | {
+        "prefetch_k": constexprs["PREFETCH_K"],
+        "block_k": constexprs["BLOCK_K"],
+    }
     json.dump(report, sys.stdout)
 
 

@@ -96,3 +96,13 @@ def pdl_release(PDL: tl.constexpr):
     """After a long kernel's main loop: let the next kernel launch for this one's tail."""
     if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_release_unless(PDL: tl.constexpr, released):
+    """`pdl_release` for a program that has not signalled yet (`released` False): a long kernel
+    whose last-wave programs signal as they start (see triton_gemv_fp8_decode's
+    EARLY_RELEASE_PER_SM) signals once per program."""
+    if PDL:  # noqa: SIM102 - a constexpr branch around a runtime one
+        if not released:
+            gdc_launch_dependents()

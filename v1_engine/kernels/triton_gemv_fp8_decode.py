@@ -23,8 +23,9 @@ import triton
 import triton.language as tl
 
 from v1_engine.kernels import interpreting, skinny_launch
+from v1_engine.kernels.attention_launch import target_programs
 from v1_engine.kernels.fp8_launch import resolve_fp8_launch
-from v1_engine.kernels.pdl import pdl_release, pdl_wait
+from v1_engine.kernels.pdl import pdl_release, pdl_release_unless, pdl_wait
 from v1_engine.kernels.triton_fused_quant import _TL_DTYPES
 from v1_engine.kernels.triton_gemv import _silu_mul
 from v1_engine.kernels.triton_gemv_fp8 import (
@@ -41,8 +42,52 @@ from v1_engine.kernels.triton_gemv_fp8 import (
 )
 from v1_engine.kernels.triton_gemv_fp8_norm import _norm_fma_loop, _norm_wgmma_loop
 
+EARLY_RELEASE_PER_SM = 0
+"""Programs per SM, counted from the end of the grid, that let the next kernel launch as they
+start instead of after their main loop (0: none). The next kernel then launches once the last
+wave has been handed out and the earlier programs are through their loops, so its programs
+take the SMs the tail frees (and can prefetch, PREFETCH_STAGES) instead of launching when the
+last program's loop ends. Signalling from every program's start measured slower (the next
+kernels took SMs from this one's later waves: RESULTS.md, "Programmatic dependent launch");
+the last wave has none left to take. Written 2026-12-06, not measured on a GPU: off."""
 
-@triton.jit(do_not_specialize=["M", "stride_sa", "stride_sb"])
+PREFETCH_STAGES = 0
+"""BLOCK_K slices of each of its weight rows a program asks L2 to fetch before its PDL wait
+(one bulk prefetch a row; no registers held): a program launched in the previous kernel's tail
+then starts its loop on weights in L2. The weights are parameters, which no kernel of a step
+writes. Written 2026-12-06, not measured on a GPU: off."""
+
+
+@triton.jit
+def _prefetch_rows(b_ptr, tile, N, stride_bn, K, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+                   PREFETCH_K: tl.constexpr):  # fmt: skip
+    """Bulk L2 prefetches of the first PREFETCH_K bytes (e4m3: values) of the program's
+    weight rows, gate and up rows where GATED (the host passes PREFETCH_K > 0 only where rows
+    start 16-byte aligned)."""
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    size = tl.where(rows < N, (tl.minimum(K, PREFETCH_K) // 16) * 16, 0).to(tl.int32)
+    addr = b_ptr + rows.to(tl.int64) * stride_bn
+    _bulk_prefetch_l2(addr, size)
+    if GATED:
+        _bulk_prefetch_l2(addr + N.to(tl.int64) * stride_bn, size)
+
+
+@triton.jit
+def _bulk_prefetch_l2(addr, size):
+    """`cp.async.bulk.prefetch.L2` of `size` bytes (a multiple of 16; 0 issues nothing) at each
+    16-byte aligned address."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [addr, size],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit(do_not_specialize=["M", "stride_sa", "stride_sb", "early_from"])
 def _fp8_decode_kernel(
     a_ptr,
     b_ptr,
@@ -64,6 +109,7 @@ def _fp8_decode_kernel(
     stride_rm,
     stride_rom,
     eps,
+    early_from,
     A_FP8: tl.constexpr,
     GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -79,6 +125,7 @@ def _fp8_decode_kernel(
     ROWS: tl.constexpr,
     ROW_PAD: tl.constexpr,
     NORM_DTYPE: tl.constexpr,
+    PREFETCH_K: tl.constexpr,
 ):
     """The decode kinds: program n owns BLOCK_N of the N output columns over all of K.
     A_FP8 False ("weight_only"): out = (a @ b^T) * scale_b (+ bias), a in 16-bit floats.
@@ -93,9 +140,17 @@ def _fp8_decode_kernel(
     residual_out. NORM with NATIVE (the norm kinds' "wgmma" body, _norm_wgmma_loop): every
     program norms and quantizes the activation as the norm-quant kernel does (ROWS rows of up
     to ROW_PAD values, the norm's output rounded to NORM_DTYPE) and multiplies it in FP8
-    warpgroup MMAs; the rows' scales act as scale_a."""
-    pdl_wait(PDL)
+    warpgroup MMAs; the rows' scales act as scale_a.
+    Under PDL, programs from `early_from` on let the next kernel launch as they start (the
+    rest after their main loop), and with PREFETCH_K each program first asks L2 for the start
+    of its weight rows (EARLY_RELEASE_PER_SM, PREFETCH_STAGES)."""
     tile = tl.program_id(0)
+    if PDL and PREFETCH_K > 0:
+        _prefetch_rows(b_ptr, tile, N, stride_bn, K, GATED, BLOCK_N, PREFETCH_K)
+    pdl_wait(PDL)
+    released = tile >= early_from
+    if released:
+        pdl_release(PDL)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -110,7 +165,7 @@ def _fp8_decode_kernel(
                                                K, stride_am, stride_rm, stride_rom, eps, tile,
                                                GATED, ROWS, ROW_PAD, BLOCK_M, BLOCK_N, BLOCK_K,
                                                NUM_STAGES, NORM_DTYPE, DOT_F32, HW)  # fmt: skip
-        pdl_release(PDL)
+        pdl_release_unless(PDL, released)
     elif NATIVE:
         a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
         gate_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -122,7 +177,7 @@ def _fp8_decode_kernel(
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
-        pdl_release(PDL)
+        pdl_release_unless(PDL, released)
         gate = tl.trans(gate_t)
         up = tl.trans(up_t)
     elif NORM:
@@ -130,7 +185,7 @@ def _fp8_decode_kernel(
                                         u_ptrs, n_mask, offs_m, offs_k, M, K, stride_am,
                                         stride_rm, stride_rom, eps, tile, GATED, BLOCK_M,
                                         BLOCK_N, BLOCK_K, NUM_STAGES, DOT_F32, HW)  # fmt: skip
-        pdl_release(PDL)
+        pdl_release_unless(PDL, released)
         gate = gate * rstd[:, None]
         up = up * rstd[:, None]
     else:
@@ -149,7 +204,7 @@ def _fp8_decode_kernel(
                 u_ptrs += BLOCK_K
             a_row += BLOCK_K
             g_ptrs += BLOCK_K
-        pdl_release(PDL)
+        pdl_release_unless(PDL, released)
         gate = _fma_result(g0, g1, g2, g3, offs_m, BLOCK_M)
         up = _fma_result(u0, u1, u2, u3, offs_m, BLOCK_M)
     dtype = out_ptr.dtype.element_ty
@@ -192,6 +247,25 @@ def _norm_constexprs(
     }
 
 
+def early_release_from(grid: int, device: torch.device) -> int:
+    """The first program of a `grid`-program launch that signals the next kernel as it starts:
+    the last EARLY_RELEASE_PER_SM programs per SM of the device; `grid` (none) when that is
+    off or off the GPU."""
+    if EARLY_RELEASE_PER_SM <= 0 or device.type != "cuda":
+        return grid
+    return max(grid - EARLY_RELEASE_PER_SM * target_programs(device, per_sm=1), 0)
+
+
+def prefetch_bytes(config: dict[str, int | str], pdl: bool, b: torch.Tensor | None = None) -> int:
+    """PREFETCH_K: the bytes of each weight row prefetched before the PDL wait,
+    PREFETCH_STAGES BLOCK_K slices of the e4m3 weight, where its rows start 16-byte aligned
+    (the bulk prefetch's rule; `b` None: assumed) and `pdl` is on, else 0."""
+    aligned = b is None or (b.data_ptr() % 16 == 0 and b.stride(0) % 16 == 0)
+    if PREFETCH_STAGES <= 0 or not (pdl and aligned):
+        return 0
+    return PREFETCH_STAGES * int(config["block_k"])
+
+
 def _launch_decode(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -213,7 +287,9 @@ def _launch_decode(
     gated = a_fp8 if gated is None else gated
     wgmma_norm = norm is not None and config["mode"] == "wgmma"
     residual, norm_w, residual_out, eps = norm if norm is not None else (out, out, out, 0.0)
-    _fp8_decode_kernel[(triton.cdiv(cols, config["block_n"]),)](
+    grid = triton.cdiv(cols, config["block_n"])
+    constexprs = _decode_constexprs(m, config, a.device)
+    _fp8_decode_kernel[(grid,)](
         a,
         b,
         scale_a if a_fp8 else scale_b,
@@ -234,12 +310,14 @@ def _launch_decode(
         residual.stride(0),
         residual_out.stride(0),
         eps,
+        early_release_from(grid, a.device),
         A_FP8=a_fp8,
         GATED=gated,
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
-        **_decode_constexprs(m, config, a.device),
+        **constexprs,
         **_norm_constexprs(m, a.shape[1], a.dtype, norm_w.dtype, wgmma_norm),
+        PREFETCH_K=prefetch_bytes(config, bool(constexprs["PDL"]), b),
     )
     return out
 
@@ -340,8 +418,9 @@ def precompile_decode(
     a_dtype = fp8 if a_fp8 else out_dtype
     cols = n // 2 if gated else n
     args = (a_dtype, fp8, fp32, fp32, out_dtype, out_dtype, m, cols, k, k, k, cols, 1, 1)
-    args += (out_dtype, out_dtype, out_dtype, k, k, 1e-6)
+    args += (out_dtype, out_dtype, out_dtype, k, k, 1e-6, 1)
     constexprs = _decode_constexprs(m, config, torch.device("cuda"))
+    constexprs["PREFETCH_K"] = prefetch_bytes(config, bool(constexprs["PDL"]) and k % 16 == 0)
     # (the norm kinds: a norm weight in the model's dtype, like x)
     constexprs |= _norm_constexprs(m, k, out_dtype, out_dtype, norm and config["mode"] == "wgmma")
     _fp8_decode_kernel.warmup(
