@@ -179,6 +179,20 @@ def _launch_all() -> None:
     )
 
 
+def _compile_recorded(name: str) -> tuple:
+    """The recorded launch of kernel `name` compiled for sm_90, and its constexprs."""
+    kernel, args, kwargs = recorded[name]
+    kwargs = dict(kwargs)
+    options = {key: kwargs.pop(key) for key in _LAUNCH_OPTIONS if key in kwargs}
+    signature, constexprs = _signature(kernel, args, kwargs)
+    compiled = triton.compile(
+        ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+        target=GPUTarget("cuda", 90, 32),
+        options=options,
+    )
+    return compiled, constexprs
+
+
 def main() -> None:
     kernel_modules = [module for module in vars(kernels).values() if isinstance(module, ModuleType)]
     for module in kernel_modules:
@@ -187,16 +201,9 @@ def main() -> None:
                 value.run = _recorder(value)
     pdl.use_pdl = lambda device: True
     _launch_all()
-    target = GPUTarget("cuda", 90, 32)
     report = {}
-    for name, (kernel, args, kwargs) in sorted(recorded.items()):
-        options = {key: kwargs.pop(key) for key in _LAUNCH_OPTIONS if key in kwargs}
-        signature, constexprs = _signature(kernel, args, kwargs)
-        compiled = triton.compile(
-            ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-            target=target,
-            options=options,
-        )
+    for name in sorted(recorded):
+        compiled, constexprs = _compile_recorded(name)
         report[name] = _positions(compiled.asm["ptx"]) | {
             "launch_pdl": bool(compiled.metadata.launch_pdl),
             "pdl_constexpr": bool(constexprs.get("PDL")),
@@ -208,14 +215,7 @@ def main() -> None:
     triton_gemv_fp8_decode.fp8_gated_gemm(
         a8, b8, torch.ones(2, 1), torch.ones(128, 1), torch.bfloat16
     )
-    kernel, args, kwargs = recorded["_fp8_decode_kernel"]
-    options = {key: kwargs.pop(key) for key in _LAUNCH_OPTIONS if key in kwargs}
-    signature, constexprs = _signature(kernel, args, kwargs)
-    compiled = triton.compile(
-        ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-        target=target,
-        options=options,
-    )
+    compiled, constexprs = _compile_recorded("_fp8_decode_kernel")
     report["_fp8_decode_kernel+prefetch"] = _positions(compiled.asm["ptx"]) | {
         "prefetch_k": constexprs["PREFETCH_K"],
         "block_k": constexprs["BLOCK_K"],
