@@ -100,6 +100,7 @@ def _positions(ptx: str) -> dict:
         "prefetches": len(prefetches),
         "wait": wait,
         "first_memory_op": memory[0] if memory else -1,
+        "first_memory_op_after_wait": next((i for i in memory if i > wait), -1),
         "memory_ops": len(memory),
         "loads_before_wait": sum(1 for line in before if _LOAD.search(line)),
         "others_before_wait": sum(1 for line in before if not _LOAD.search(line)),
@@ -208,8 +209,11 @@ def main() -> None:
             "launch_pdl": bool(compiled.metadata.launch_pdl),
             "pdl_constexpr": bool(constexprs.get("PDL")),
         }
-    # The FP8 decode kernel with its weight rows prefetched into L2 before the wait.
+    # The FP8 decode kernel with its weight rows prefetched into L2 before the wait and its
+    # last wave signalling right after the wait (the CPU tensors' launch: every program).
     triton_gemv_fp8_decode.PREFETCH_STAGES = 2
+    triton_gemv_fp8_decode.EARLY_RELEASE_PER_SM = 1
+    triton_gemv_fp8_decode.early_release_from = lambda grid, device: 0
     a8 = torch.randn(2, 256).to(torch.float8_e4m3fn)
     b8 = torch.randn(128, 256).to(torch.float8_e4m3fn)
     triton_gemv_fp8_decode.fp8_gated_gemm(

@@ -40,9 +40,7 @@ LATE_RELEASE = {
     "_moe_gemm_kernel",
 }
 """Long kernels: they let their dependents launch after their main loop, not at their start."""
-LAST_WAVE_RELEASE = {"_fp8_decode_kernel"}
-"""Long kernels whose last-wave programs may signal as they start, after the wait (a runtime
-condition, triton_gemv_fp8_decode.EARLY_RELEASE_PER_SM): the rest signal after the loop."""
+
 LOADS_BEFORE_WAIT = {"_paged_attention_kernel", "_add_rms_norm_kernel", "_rms_norm_quant_kernel"}
 """Kernels that load, before the wait, what no kernel of the step writes: paged attention the
 step's paging metadata (written before the forward starts, complete by the time a GEMM in front
@@ -78,12 +76,7 @@ def test_ptx_waits_before_any_memory_access(ptx_report, kernel):
         assert where["others_before_wait"] == 0, where
     else:
         assert 0 <= where["wait"] < where["first_memory_op"], where
-    if kernel in LAST_WAVE_RELEASE:
-        # the last wave's signal after the wait, the others' after the loop
-        assert where["wait"] < where["launch_dependents"] < where["first_memory_op"], where
-        assert where["last_launch_dependents"] > where["first_memory_op"], where
-        assert where["releases"] >= 2, where
-    elif kernel in LATE_RELEASE:
+    if kernel in LATE_RELEASE:
         assert where["launch_dependents"] > where["first_memory_op"], where
     else:
         assert 0 <= where["launch_dependents"] < where["wait"], where
@@ -92,8 +85,14 @@ def test_ptx_waits_before_any_memory_access(ptx_report, kernel):
 def test_fp8_decode_prefetches_its_weight_rows_before_the_wait(ptx_report):
     """With PREFETCH_STAGES the FP8 decode kernel's only memory operations before the wait are
     bulk L2 prefetches of its weight rows (parameters, never written by a step): gate and up
-    rows of the gated kind, one a row; without it, none."""
+    rows of the gated kind, one a row; without it, none. With EARLY_RELEASE_PER_SM its last
+    wave signals right after the wait (a runtime condition) and the others after the loop;
+    without it, only after the loop."""
     where = ptx_report["_fp8_decode_kernel+prefetch"]
+    first_access = where["first_memory_op_after_wait"]
+    assert where["wait"] < where["launch_dependents"] < first_access, where
+    assert where["last_launch_dependents"] > first_access, where
+    assert where["releases"] == 2 and ptx_report["_fp8_decode_kernel"]["releases"] == 1
     assert where["prefetch_k"] == 2 * where["block_k"], where  # PREFETCH_STAGES slices a row
     assert where["prefetches"] > 0 and where["prefetches_before_wait"] == where["prefetches"]
     assert where["others_before_wait"] == where["prefetches"], where  # nothing but prefetches

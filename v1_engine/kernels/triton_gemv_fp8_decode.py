@@ -125,6 +125,7 @@ def _fp8_decode_kernel(
     ROWS: tl.constexpr,
     ROW_PAD: tl.constexpr,
     NORM_DTYPE: tl.constexpr,
+    EARLY_RELEASE: tl.constexpr,
     PREFETCH_K: tl.constexpr,
 ):
     """The decode kinds: program n owns BLOCK_N of the N output columns over all of K.
@@ -141,16 +142,20 @@ def _fp8_decode_kernel(
     program norms and quantizes the activation as the norm-quant kernel does (ROWS rows of up
     to ROW_PAD values, the norm's output rounded to NORM_DTYPE) and multiplies it in FP8
     warpgroup MMAs; the rows' scales act as scale_a.
-    Under PDL, programs from `early_from` on let the next kernel launch as they start (the
-    rest after their main loop), and with PREFETCH_K each program first asks L2 for the start
-    of its weight rows (EARLY_RELEASE_PER_SM, PREFETCH_STAGES)."""
+    Under PDL with EARLY_RELEASE, programs from `early_from` on let the next kernel launch as
+    they start (the rest after their main loop), and with PREFETCH_K each program first asks L2
+    for the start of its weight rows (EARLY_RELEASE_PER_SM, PREFETCH_STAGES; both off, the
+    kernel is then the one measured before them)."""
     tile = tl.program_id(0)
     if PDL and PREFETCH_K > 0:
         _prefetch_rows(b_ptr, tile, N, stride_bn, K, GATED, BLOCK_N, PREFETCH_K)
     pdl_wait(PDL)
-    released = tile >= early_from
-    if released:
-        pdl_release(PDL)
+    if EARLY_RELEASE:
+        released = tile >= early_from
+        if released:
+            pdl_release(PDL)
+    else:
+        released = False
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -289,6 +294,7 @@ def _launch_decode(
     residual, norm_w, residual_out, eps = norm if norm is not None else (out, out, out, 0.0)
     grid = triton.cdiv(cols, config["block_n"])
     constexprs = _decode_constexprs(m, config, a.device)
+    early_from = early_release_from(grid, a.device)
     _fp8_decode_kernel[(grid,)](
         a,
         b,
@@ -310,13 +316,14 @@ def _launch_decode(
         residual.stride(0),
         residual_out.stride(0),
         eps,
-        early_release_from(grid, a.device),
+        early_from,
         A_FP8=a_fp8,
         GATED=gated,
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
         **constexprs,
         **_norm_constexprs(m, a.shape[1], a.dtype, norm_w.dtype, wgmma_norm),
+        EARLY_RELEASE=early_from < grid,
         PREFETCH_K=prefetch_bytes(config, bool(constexprs["PDL"]), b),
     )
     return out
@@ -421,6 +428,7 @@ def precompile_decode(
     args += (out_dtype, out_dtype, out_dtype, k, k, 1e-6, 1)
     constexprs = _decode_constexprs(m, config, torch.device("cuda"))
     constexprs["PREFETCH_K"] = prefetch_bytes(config, bool(constexprs["PDL"]) and k % 16 == 0)
+    constexprs["EARLY_RELEASE"] = EARLY_RELEASE_PER_SM > 0
     # (the norm kinds: a norm weight in the model's dtype, like x)
     constexprs |= _norm_constexprs(m, k, out_dtype, out_dtype, norm and config["mode"] == "wgmma")
     _fp8_decode_kernel.warmup(
