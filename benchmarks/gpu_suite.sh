@@ -25,10 +25,9 @@
 # `normab` runs fp8_norm_linear's GPU tests, sweeps its "norm" kinds at M = 1 and times FP8
 # batch 1 without and with the pass and those entries, GOAL_PROCS rounds. `bf16normab` does the
 # same for skinny_norm_linear (bf16 batch 1 and 64 x 1k, NORM_IN_M_BUCKETS patched).
-# `waveab` runs the FP8 decode kernel's GPU and PTX tests, then FP8 batch 1 with its last-wave
-# early release and its pre-wait weight prefetch (triton_gemv_fp8_decode's
-# EARLY_RELEASE_PER_SM / PREFETCH_STAGES, both 0 by default) patched on, alone and together,
-# against the base, alternating, one process each, GOAL_PROCS rounds (default 2).
+# `waveab` runs the FP8 decode kernel's GPU and PTX tests, then FP8 batch 1 with its last waves'
+# early release (triton_gemv_fp8_decode's EARLY_RELEASE_PER_SM, 2 by default) at 0, 1, 2 and
+# 4, alternating, one process each, GOAL_PROCS rounds (default 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR=${OUT:-benchmarks/logs}
@@ -323,17 +322,15 @@ if [[ " $STAGES " == *" waveab "* ]]; then
   python3 - "$LOG_DIR/waveab.json" "${GOAL_PROCS:-2}" <<'PY'
 import json, sys
 path = "v1_engine/kernels/triton_gemv_fp8_decode.py"
-early = [path, "EARLY_RELEASE_PER_SM = 0", "EARLY_RELEASE_PER_SM = 1"]
-prefetch = [path, "PREFETCH_STAGES = 0", "PREFETCH_STAGES = 2"]
-rounds = [["base", []], ["early release", [early]], ["prefetch", [prefetch]],
-          ["early release + prefetch", [early, prefetch]]]
+rounds = [[f"early release {n}", [[path, "EARLY_RELEASE_PER_SM = 2", f"EARLY_RELEASE_PER_SM = {n}"]]]
+          for n in (0, 1, 2, 4)]
 json.dump(rounds * int(sys.argv[2]), open(sys.argv[1], "w"))
 PY
   python3 benchmarks/ab_variants.py "$LOG_DIR/waveab.json" "python3 benchmarks/latency.py \
     --model $MODEL --quantization fp8 --batch-sizes 1 --prefill-lens '' --decode-steps 64 \
     --repeats 2" 2>&1 | tee "$LOG_DIR/waveab.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  { echo; echo "## FP8 decode kernel: last-wave release / weight prefetch (tests; FP8 batch 1)"
+  { echo; echo "## FP8 decode kernel: the last waves' early release (tests; FP8 batch 1)"
     tail -n 1 "$LOG_DIR/waveab_tests.log"
     grep -E "^== |^ *\| 1 " "$LOG_DIR/waveab.log"; } >> "$summary"
 fi

@@ -274,8 +274,7 @@ def test_gpu_suite_patches_find_their_text():
     assert 'old = "NORM_IN_M_BUCKETS: tuple[int, ...] = ()"' in suite
     assert "\nNORM_IN_M_BUCKETS: tuple[int, ...] = ()\n" in epilogues
     decode = (ROOT / "v1_engine" / "kernels" / "triton_gemv_fp8_decode.py").read_text()
-    for text in ("EARLY_RELEASE_PER_SM = 0", "PREFETCH_STAGES = 0"):
-        assert f'"{text}"' in suite and f"\n{text}\n" in decode
+    assert '"EARLY_RELEASE_PER_SM = 2"' in suite and "\nEARLY_RELEASE_PER_SM = 2\n" in decode
 
 
 def test_decode_roofline_rate_follows_the_card():

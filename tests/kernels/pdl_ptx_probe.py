@@ -91,13 +91,10 @@ def _positions(ptx: str) -> dict:
     wait = first("griddepcontrol.wait")
     before = [lines[i] for i in memory if i < wait]
     releases = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
-    prefetches = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2" in line]
     return {
         "launch_dependents": first("griddepcontrol.launch_dependents"),
         "last_launch_dependents": releases[-1] if releases else -1,
         "releases": len(releases),
-        "prefetches_before_wait": sum(1 for i in prefetches if i < wait),
-        "prefetches": len(prefetches),
         "wait": wait,
         "first_memory_op": memory[0] if memory else -1,
         "first_memory_op_after_wait": next((i for i in memory if i > wait), -1),
@@ -209,21 +206,16 @@ def main() -> None:
             "launch_pdl": bool(compiled.metadata.launch_pdl),
             "pdl_constexpr": bool(constexprs.get("PDL")),
         }
-    # The FP8 decode kernel with its weight rows prefetched into L2 before the wait and its
-    # last wave signalling right after the wait (the CPU tensors' launch: every program).
-    triton_gemv_fp8_decode.PREFETCH_STAGES = 2
-    triton_gemv_fp8_decode.EARLY_RELEASE_PER_SM = 1
+    # The FP8 decode kernel as a GPU launch compiles it, its last waves signalling right after
+    # the wait (CPU tensors launch it without: early_release_from gives the whole grid there).
     triton_gemv_fp8_decode.early_release_from = lambda grid, device: 0
     a8 = torch.randn(2, 256).to(torch.float8_e4m3fn)
     b8 = torch.randn(128, 256).to(torch.float8_e4m3fn)
     triton_gemv_fp8_decode.fp8_gated_gemm(
         a8, b8, torch.ones(2, 1), torch.ones(128, 1), torch.bfloat16
     )
-    compiled, constexprs = _compile_recorded("_fp8_decode_kernel")
-    report["_fp8_decode_kernel+prefetch"] = _positions(compiled.asm["ptx"]) | {
-        "prefetch_k": constexprs["PREFETCH_K"],
-        "block_k": constexprs["BLOCK_K"],
-    }
+    compiled, _ = _compile_recorded("_fp8_decode_kernel")
+    report["_fp8_decode_kernel+early"] = _positions(compiled.asm["ptx"])
     json.dump(report, sys.stdout)
 
 

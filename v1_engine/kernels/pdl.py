@@ -14,11 +14,10 @@ The contract every kernel here follows:
   transitive along a chain of PDL kernels. Two exceptions, loads of what no kernel of the step
   writes: paged attention loads the step's paging metadata (written before the forward starts;
   a GEMM in front of it has waited on its own predecessor before letting it launch, so it is
-  complete by then), and the one-pass norms load their weight (a parameter) before the wait
-  (and the FP8 decode GEMV may prefetch its weight rows into L2 there: PREFETCH_STAGES, off);
+  complete by then), and the one-pass norms load their weight (a parameter) before the wait;
 - where to signal: a short kernel (norms, SiLU-and-mul, RoPE, quant, cache writes) signals first
   (`pdl_enter`), a long one (GEMMs, attention) after its main loop (`pdl_wait` ... `pdl_release`;
-  the FP8 decode GEMV's last wave may signal right after its wait: EARLY_RELEASE_PER_SM, off).
+  the FP8 decode GEMV's last waves signal right after their wait: EARLY_RELEASE_PER_SM).
   Signalling at the start of a long kernel let the next kernels, and theirs, pile up on the SMs
   for its whole run: measured slower on the H200 (RESULTS.md, "Programmatic dependent launch").
 

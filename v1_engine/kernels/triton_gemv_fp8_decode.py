@@ -42,49 +42,15 @@ from v1_engine.kernels.triton_gemv_fp8 import (
 )
 from v1_engine.kernels.triton_gemv_fp8_norm import _norm_fma_loop, _norm_wgmma_loop
 
-EARLY_RELEASE_PER_SM = 0
+EARLY_RELEASE_PER_SM = 2
 """Programs per SM, counted from the end of the grid, that let the next kernel launch as they
 start instead of after their main loop (0: none). The next kernel then launches once the last
-wave has been handed out and the earlier programs are through their loops, so its programs
-take the SMs the tail frees (and can prefetch, PREFETCH_STAGES) instead of launching when the
-last program's loop ends. Signalling from every program's start measured slower (the next
-kernels took SMs from this one's later waves: RESULTS.md, "Programmatic dependent launch");
-the last wave has none left to take. Written 2026-12-06, not measured on a GPU: off."""
-
-PREFETCH_STAGES = 0
-"""BLOCK_K slices of each of its weight rows a program asks L2 to fetch before its PDL wait
-(one bulk prefetch a row; no registers held): a program launched in the previous kernel's tail
-then starts its loop on weights in L2. The weights are parameters, which no kernel of a step
-writes. Written 2026-12-06, not measured on a GPU: off."""
-
-
-@triton.jit
-def _prefetch_rows(b_ptr, tile, N, stride_bn, K, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PREFETCH_K: tl.constexpr):  # fmt: skip
-    """Bulk L2 prefetches of the first PREFETCH_K bytes (e4m3: values) of the program's
-    weight rows, gate and up rows where GATED (the host passes PREFETCH_K > 0 only where rows
-    start 16-byte aligned)."""
-    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    size = tl.where(rows < N, (tl.minimum(K, PREFETCH_K) // 16) * 16, 0).to(tl.int32)
-    addr = b_ptr + rows.to(tl.int64) * stride_bn
-    _bulk_prefetch_l2(addr, size)
-    if GATED:
-        _bulk_prefetch_l2(addr + N.to(tl.int64) * stride_bn, size)
-
-
-@triton.jit
-def _bulk_prefetch_l2(addr, size):
-    """`cp.async.bulk.prefetch.L2` of `size` bytes (a multiple of 16; 0 issues nothing) at each
-    16-byte aligned address."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [addr, size],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+waves have been handed out and the earlier programs are through their loops, so its programs
+take the SMs the tail frees instead of launching when the last program's loop ends. Signalling
+from every program's start measured slower (the next kernels took SMs from this one's later
+waves: RESULTS.md, "Programmatic dependent launch"); the last waves have none left to take.
+Measured on an H100 (RESULTS.md, "The FP8 decode GEMV's last waves signal early"): FP8 batch 1
+3.285 -> 3.274 ms a step at 1, 3.270 at 2, 3.293 at 4."""
 
 
 @triton.jit(do_not_specialize=["M", "stride_sa", "stride_sb", "early_from"])
@@ -126,7 +92,6 @@ def _fp8_decode_kernel(
     ROW_PAD: tl.constexpr,
     NORM_DTYPE: tl.constexpr,
     EARLY_RELEASE: tl.constexpr,
-    PREFETCH_K: tl.constexpr,
 ):
     """The decode kinds: program n owns BLOCK_N of the N output columns over all of K.
     A_FP8 False ("weight_only"): out = (a @ b^T) * scale_b (+ bias), a in 16-bit floats.
@@ -143,12 +108,8 @@ def _fp8_decode_kernel(
     to ROW_PAD values, the norm's output rounded to NORM_DTYPE) and multiplies it in FP8
     warpgroup MMAs; the rows' scales act as scale_a.
     Under PDL with EARLY_RELEASE, programs from `early_from` on let the next kernel launch as
-    they start (the rest after their main loop), and with PREFETCH_K each program first asks L2
-    for the start of its weight rows (EARLY_RELEASE_PER_SM, PREFETCH_STAGES; both off, the
-    kernel is then the one measured before them)."""
+    they start, the rest after their main loop (EARLY_RELEASE_PER_SM)."""
     tile = tl.program_id(0)
-    if PDL and PREFETCH_K > 0:
-        _prefetch_rows(b_ptr, tile, N, stride_bn, K, GATED, BLOCK_N, PREFETCH_K)
     pdl_wait(PDL)
     if EARLY_RELEASE:
         released = tile >= early_from
@@ -261,16 +222,6 @@ def early_release_from(grid: int, device: torch.device) -> int:
     return max(grid - EARLY_RELEASE_PER_SM * target_programs(device, per_sm=1), 0)
 
 
-def prefetch_bytes(config: dict[str, int | str], pdl: bool, b: torch.Tensor | None = None) -> int:
-    """PREFETCH_K: the bytes of each weight row prefetched before the PDL wait,
-    PREFETCH_STAGES BLOCK_K slices of the e4m3 weight, where its rows start 16-byte aligned
-    (the bulk prefetch's rule; `b` None: assumed) and `pdl` is on, else 0."""
-    aligned = b is None or (b.data_ptr() % 16 == 0 and b.stride(0) % 16 == 0)
-    if PREFETCH_STAGES <= 0 or not (pdl and aligned):
-        return 0
-    return PREFETCH_STAGES * int(config["block_k"])
-
-
 def _launch_decode(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -324,7 +275,6 @@ def _launch_decode(
         **constexprs,
         **_norm_constexprs(m, a.shape[1], a.dtype, norm_w.dtype, wgmma_norm),
         EARLY_RELEASE=early_from < grid,
-        PREFETCH_K=prefetch_bytes(config, bool(constexprs["PDL"]), b),
     )
     return out
 
@@ -427,7 +377,6 @@ def precompile_decode(
     args = (a_dtype, fp8, fp32, fp32, out_dtype, out_dtype, m, cols, k, k, k, cols, 1, 1)
     args += (out_dtype, out_dtype, out_dtype, k, k, 1e-6, 1)
     constexprs = _decode_constexprs(m, config, torch.device("cuda"))
-    constexprs["PREFETCH_K"] = prefetch_bytes(config, bool(constexprs["PDL"]) and k % 16 == 0)
     constexprs["EARLY_RELEASE"] = EARLY_RELEASE_PER_SM > 0
     # (the norm kinds: a norm weight in the model's dtype, like x)
     constexprs |= _norm_constexprs(m, k, out_dtype, out_dtype, norm and config["mode"] == "wgmma")
