@@ -206,9 +206,10 @@ def main() -> None:
             "launch_pdl": bool(compiled.metadata.launch_pdl),
             "pdl_constexpr": bool(constexprs.get("PDL")),
         }
-    # The FP8 decode kernel as a GPU launch compiles it, its last waves signalling right after
-    # the wait (CPU tensors launch it without: early_release_from gives the whole grid there).
-    triton_gemv_fp8_decode.early_release_from = lambda grid, device: 0
+    # The FP8 decode kernel and the bf16 skinny GEMM with their last waves signalling right
+    # after the wait, as a GPU launch compiles them (CPU tensors launch them without:
+    # early_release_from gives the whole grid there).
+    pdl.early_release_from = lambda programs, device, per_sm: 0
     a8 = torch.randn(2, 256).to(torch.float8_e4m3fn)
     b8 = torch.randn(128, 256).to(torch.float8_e4m3fn)
     triton_gemv_fp8_decode.fp8_gated_gemm(
@@ -216,6 +217,10 @@ def main() -> None:
     )
     compiled, _ = _compile_recorded("_fp8_decode_kernel")
     report["_fp8_decode_kernel+early"] = _positions(compiled.asm["ptx"])
+    triton_gemv.skinny_gemm(torch.randn(2, 256, dtype=torch.bfloat16),
+                            torch.randn(64, 256, dtype=torch.bfloat16))  # fmt: skip
+    compiled, _ = _compile_recorded("_skinny_gemm_kernel")
+    report["_skinny_gemm_kernel+early"] = _positions(compiled.asm["ptx"])
     json.dump(report, sys.stdout)
 
 

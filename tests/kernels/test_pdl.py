@@ -63,7 +63,10 @@ def ptx_report(run_compile_probe) -> dict:
 
 
 def test_every_pdl_kernel_was_compiled(ptx_report):
-    assert set(ptx_report) == PDL_KERNELS | {"_fp8_decode_kernel+early"}
+    assert set(ptx_report) == PDL_KERNELS | {
+        "_fp8_decode_kernel+early",
+        "_skinny_gemm_kernel+early",
+    }
 
 
 @pytest.mark.parametrize("kernel", sorted(PDL_KERNELS))
@@ -82,16 +85,17 @@ def test_ptx_waits_before_any_memory_access(ptx_report, kernel):
         assert 0 <= where["launch_dependents"] < where["wait"], where
 
 
-def test_fp8_decode_last_waves_signal_right_after_the_wait(ptx_report):
-    """With EARLY_RELEASE (a GPU launch, EARLY_RELEASE_PER_SM) the FP8 decode kernel signals
-    twice: right after its wait (the last waves' programs, a runtime condition) and after its
-    loop (the others); nothing touches memory before the wait. Without it (the CPU launch in
-    the report above), once, after the loop."""
-    where = ptx_report["_fp8_decode_kernel+early"]
+@pytest.mark.parametrize("kernel", ["_fp8_decode_kernel", "_skinny_gemm_kernel"])
+def test_gemv_last_waves_signal_right_after_the_wait(ptx_report, kernel):
+    """With EARLY_RELEASE (pdl.pdl_release_early) a GEMV signals twice: right after its wait
+    (the last waves' programs, a runtime condition) and after its loop (the others); nothing
+    touches memory before the wait. Without it (the CPU launches of the report above), once,
+    after the loop."""
+    where = ptx_report[f"{kernel}+early"]
     first_access = where["first_memory_op_after_wait"]
     assert 0 <= where["wait"] < where["launch_dependents"] < first_access, where
     assert where["last_launch_dependents"] > first_access, where
-    assert where["releases"] == 2 and ptx_report["_fp8_decode_kernel"]["releases"] == 1
+    assert where["releases"] == 2 and ptx_report[kernel]["releases"] == 1
     assert where["loads_before_wait"] == 0 and where["others_before_wait"] == 0, where
 
 

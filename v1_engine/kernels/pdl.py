@@ -17,7 +17,7 @@ The contract every kernel here follows:
   complete by then), and the one-pass norms load their weight (a parameter) before the wait;
 - where to signal: a short kernel (norms, SiLU-and-mul, RoPE, quant, cache writes) signals first
   (`pdl_enter`), a long one (GEMMs, attention) after its main loop (`pdl_wait` ... `pdl_release`;
-  the FP8 decode GEMV's last waves signal right after their wait: EARLY_RELEASE_PER_SM).
+  the GEMVs' last waves may signal right after their wait: `pdl_release_early`).
   Signalling at the start of a long kernel let the next kernels, and theirs, pile up on the SMs
   for its whole run: measured slower on the H200 (RESULTS.md, "Programmatic dependent launch").
 
@@ -38,6 +38,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from v1_engine.kernels import interpreting
+from v1_engine.kernels.attention_launch import target_programs
 
 PDL_ENABLED = os.environ.get("V1ENGINE_PDL", "1") != "0"
 """V1ENGINE_PDL=0 launches every kernel without programmatic dependent launch."""
@@ -99,11 +100,35 @@ def pdl_release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+def early_release_from(programs: int, device: torch.device, per_sm: int) -> int:
+    """The first program, in launch order, of a `programs`-program launch that signals the next
+    kernel as it starts (`pdl_release_early`): the last `per_sm` programs per SM of the device;
+    `programs` (none) when per_sm is 0 or off the GPU."""
+    if per_sm <= 0 or device.type != "cuda":
+        return programs
+    return max(programs - target_programs(device, per_sm=per_sm), 0)
+
+
+@triton.jit
+def pdl_release_early(PDL: tl.constexpr, EARLY_RELEASE: tl.constexpr, program, early_from):
+    """Right after a long kernel's wait: with EARLY_RELEASE, programs from `early_from` on (in
+    launch order: the last waves) let the next kernel launch now, so its programs take the SMs
+    this one's tail frees, and there is no later wave of this one for them to take SMs from.
+    Returns whether this program signalled (`pdl_release_unless` after the loop)."""
+    if EARLY_RELEASE:
+        released = program >= early_from
+        if PDL:  # noqa: SIM102 - a constexpr branch around a runtime one
+            if released:
+                gdc_launch_dependents()
+    else:
+        released = False
+    return released
+
+
 @triton.jit
 def pdl_release_unless(PDL: tl.constexpr, released):
-    """`pdl_release` for a program that has not signalled yet (`released` False): a long kernel
-    whose last-wave programs signal as they start (see triton_gemv_fp8_decode's
-    EARLY_RELEASE_PER_SM) signals once per program."""
+    """`pdl_release` for a program that has not signalled yet (`released` False, see
+    `pdl_release_early`): every program signals once."""
     if PDL:  # noqa: SIM102 - a constexpr branch around a runtime one
         if not released:
             gdc_launch_dependents()

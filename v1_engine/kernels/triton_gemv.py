@@ -36,8 +36,13 @@ import torch
 import triton
 import triton.language as tl
 
-from v1_engine.kernels import interpreting, skinny_launch
-from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
+from v1_engine.kernels import interpreting, pdl, skinny_launch
+from v1_engine.kernels.pdl import (
+    launch_options,
+    pdl_release_early,
+    pdl_release_unless,
+    pdl_wait,
+)
 from v1_engine.kernels.semaphores import split_semaphores
 from v1_engine.kernels.triton_fused_quant import _round_to, _silu_mul_values
 
@@ -61,7 +66,7 @@ def _dot(a, b, DOT_F32: tl.constexpr):
     return tl.dot(a, b)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "early_from"])
 def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
@@ -82,6 +87,7 @@ def _skinny_gemm_kernel(
     stride_om,
     stride_rm,
     eps,
+    early_from,
     HAS_BIAS: tl.constexpr,
     MODE: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -96,13 +102,18 @@ def _skinny_gemm_kernel(
     NORM_BLOCK: tl.constexpr,
     HW: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY_RELEASE: tl.constexpr,
 ):
     """Program (n, s): BLOCK_N output columns over the s-th k_per_split-wide slice of K (all of K
     when SPLIT_K is 1; MODE, the split and the GATED / ADD_NORM epilogues: see the module).
     NORM_IN (SPLIT_K 1): x is rmsnorm(x + residual) * norm_w, folded in (see _fold_norm_step);
-    program 0 stores x + residual to residual_out."""
+    program 0 stores x + residual to residual_out. Under PDL with EARLY_RELEASE the programs
+    from `early_from` on, in launch order, signal the next kernel as they start
+    (EARLY_RELEASE_PER_SM), the rest after their loop."""
     pdl_wait(PDL)
     tile = tl.program_id(0)
+    program = tl.program_id(1) * tl.num_programs(0) + tile
+    released = pdl_release_early(PDL, EARLY_RELEASE, program, early_from)
     k_start = tl.program_id(1) * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,7 +155,7 @@ def _skinny_gemm_kernel(
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    pdl_release(PDL)
+    pdl_release_unless(PDL, released)
     result = _tile_result(acc, MODE)
     if NORM_IN:
         rstd = tl.rsqrt(ss / K + eps)[:, None]
@@ -346,6 +357,7 @@ def _constexprs(
         "NORM_IN": False,
         "NORM_BLOCK": NORM_BLOCK,
         "HW": not interpreting(),
+        "EARLY_RELEASE": EARLY_RELEASE_PER_SM > 0,  # (a launch: whether any program does)
         "num_warps": config["num_warps"],
         "num_stages": config["num_stages"],
     } | launch_options(device)
@@ -353,6 +365,12 @@ def _constexprs(
 
 NORM_BLOCK = 1024
 """Columns per chunk of the ADD_NORM epilogue's row walk."""
+
+EARLY_RELEASE_PER_SM = 0
+"""Programs per SM, counted from the end of a launch, that signal the next kernel right after
+their wait (`pdl.pdl_release_early`; 0: every program after its loop), as the FP8 decode GEMV's
+last two do (triton_gemv_fp8_decode.EARLY_RELEASE_PER_SM, measured faster there). Written
+2026-12-06, not yet measured for this kernel: off."""
 
 
 def _launch(
@@ -382,6 +400,7 @@ def _launch(
         assert split == 1, "the folded norm needs each program's whole K"
         residual, norm_w, eps, residual_out = norm_in
         stride_rm = residual.stride(0)
+    early_from = pdl.early_release_from(tiles * split, x.device, EARLY_RELEASE_PER_SM)
     _skinny_gemm_kernel[(tiles, split)](
         x,
         weight,
@@ -402,8 +421,10 @@ def _launch(
         out.stride(0),
         stride_rm,
         eps,
+        early_from,
         **_constexprs(m, x.dtype, bias is not None, config, x.device)
-        | {"GATED": gated, "ADD_NORM": norm is not None, "NORM_IN": norm_in is not None},
+        | {"GATED": gated, "ADD_NORM": norm is not None, "NORM_IN": norm_in is not None}
+        | {"EARLY_RELEASE": early_from < tiles * split},
     )
 
 
@@ -456,6 +477,7 @@ def precompile(dtype: torch.dtype, m: int, n: int, k: int, **launch: int | str) 
         n,
         0,
         0.0,
+        1,
         grid=(1,),
         **_constexprs(m, dtype, False, config, torch.device("cuda")),
     )

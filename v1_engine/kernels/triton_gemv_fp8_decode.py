@@ -22,10 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from v1_engine.kernels import interpreting, skinny_launch
-from v1_engine.kernels.attention_launch import target_programs
+from v1_engine.kernels import interpreting, pdl, skinny_launch
 from v1_engine.kernels.fp8_launch import resolve_fp8_launch
-from v1_engine.kernels.pdl import pdl_release, pdl_release_unless, pdl_wait
+from v1_engine.kernels.pdl import pdl_release_early, pdl_release_unless, pdl_wait
 from v1_engine.kernels.triton_fused_quant import _TL_DTYPES
 from v1_engine.kernels.triton_gemv import _silu_mul
 from v1_engine.kernels.triton_gemv_fp8 import (
@@ -111,12 +110,7 @@ def _fp8_decode_kernel(
     they start, the rest after their main loop (EARLY_RELEASE_PER_SM)."""
     tile = tl.program_id(0)
     pdl_wait(PDL)
-    if EARLY_RELEASE:
-        released = tile >= early_from
-        if released:
-            pdl_release(PDL)
-    else:
-        released = False
+    released = pdl_release_early(PDL, EARLY_RELEASE, tile, early_from)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -213,15 +207,6 @@ def _norm_constexprs(
     }
 
 
-def early_release_from(grid: int, device: torch.device) -> int:
-    """The first program of a `grid`-program launch that signals the next kernel as it starts:
-    the last EARLY_RELEASE_PER_SM programs per SM of the device; `grid` (none) when that is
-    off or off the GPU."""
-    if EARLY_RELEASE_PER_SM <= 0 or device.type != "cuda":
-        return grid
-    return max(grid - EARLY_RELEASE_PER_SM * target_programs(device, per_sm=1), 0)
-
-
 def _launch_decode(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -245,7 +230,7 @@ def _launch_decode(
     residual, norm_w, residual_out, eps = norm if norm is not None else (out, out, out, 0.0)
     grid = triton.cdiv(cols, config["block_n"])
     constexprs = _decode_constexprs(m, config, a.device)
-    early_from = early_release_from(grid, a.device)
+    early_from = pdl.early_release_from(grid, a.device, EARLY_RELEASE_PER_SM)
     _fp8_decode_kernel[(grid,)](
         a,
         b,
