@@ -354,6 +354,33 @@ def test_split_k_on_device_gpu(mode, m, split):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("m", "split"), [(1, 1), (64, 2)])
+def test_early_release_leaves_results_unchanged_gpu(m, split, monkeypatch):
+    """The last waves' early signal (EARLY_RELEASE_PER_SM) changes when the next kernel's
+    programs start, not what this one computes: bit-identical to the launch without it, eager
+    and in a CUDA graph of two GEMMs in a row (the second reads the first's output)."""
+    n, k = LLAMA3_8B_SHAPES["o_proj"]
+    w = values((n, k), torch.bfloat16, 1, "cuda") * 0.02
+    x = values((m, k), torch.bfloat16, 3, "cuda")
+    launch = {"mode": "fma" if m == 1 else "dot", "block_n": 8 if m == 1 else 64}
+    launch |= {"block_k": 256, "num_warps": 4, "num_stages": 3, "split_k": split}
+
+    def run():
+        return triton_gemv.skinny_gemm(triton_gemv.skinny_gemm(x, w, **launch), w, **launch)
+
+    monkeypatch.setattr(triton_gemv, "EARLY_RELEASE_PER_SM", 0)
+    base = run()
+    monkeypatch.setattr(triton_gemv, "EARLY_RELEASE_PER_SM", 2)
+    assert torch.equal(run(), base)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, base)
+
+
+@pytest.mark.gpu
 def test_cuda_graph_replay_gpu():
     n, k = LLAMA3_8B_SHAPES["o_proj"]
     w = values((n, k), torch.bfloat16, 1, "cuda") * 0.02

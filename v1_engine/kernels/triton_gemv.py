@@ -366,11 +366,12 @@ def _constexprs(
 NORM_BLOCK = 1024
 """Columns per chunk of the ADD_NORM epilogue's row walk."""
 
-EARLY_RELEASE_PER_SM = 0
+EARLY_RELEASE_PER_SM = 2
 """Programs per SM, counted from the end of a launch, that signal the next kernel right after
 their wait (`pdl.pdl_release_early`; 0: every program after its loop), as the FP8 decode GEMV's
-last two do (triton_gemv_fp8_decode.EARLY_RELEASE_PER_SM, measured faster there). Written
-2026-12-06, not yet measured for this kernel: off."""
+last two do (triton_gemv_fp8_decode.EARLY_RELEASE_PER_SM). Measured on an H100 (RESULTS.md,
+"The bf16 skinny GEMM's last waves signal early"): bf16 batch 1 5.424 / 5.434 -> 5.416 / 5.418
+ms a step, batch 64 at 1k 9.045 -> 9.036."""
 
 
 def _launch(
