@@ -272,22 +272,6 @@ def test_gated_llama3_gate_up_gpu(m, mode):
     assert_matches(out, ref, ulps=2.0)
 
 
-def test_early_release_rule(monkeypatch):
-    """pdl.early_release_from: the last `per_sm` programs per SM signal the next kernel as they
-    start (all of a grid of fewer programs; none off the GPU or at 0). The FP8 decode GEMV runs
-    it and the bf16 skinny GEMM at 2 a SM (measured: RESULTS.md)."""
-    from v1_engine.kernels import pdl, triton_gemv
-
-    monkeypatch.setattr(pdl, "target_programs", lambda device, per_sm: 132 * per_sm)
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert decode.EARLY_RELEASE_PER_SM == 2 and triton_gemv.EARLY_RELEASE_PER_SM == 2
-    assert pdl.early_release_from(1792, cuda, 2) == 1792 - 264
-    assert pdl.early_release_from(200, cuda, 2) == 0
-    assert pdl.early_release_from(1792, cpu, 2) == 1792
-    assert pdl.early_release_from(1792, cuda, 1) == 1792 - 132
-    assert pdl.early_release_from(1792, cuda, 0) == 1792
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["weight_only", "gated"])
 def test_early_release_leaves_results_unchanged_gpu(kind, monkeypatch):

@@ -99,6 +99,23 @@ def test_gemv_last_waves_signal_right_after_the_wait(ptx_report, kernel):
     assert where["loads_before_wait"] == 0 and where["others_before_wait"] == 0, where
 
 
+def test_early_release_rule(monkeypatch):
+    """pdl.early_release_from: the last `per_sm` programs per SM signal the next kernel as they
+    start (all of a grid of fewer programs; none off the GPU or at 0). The FP8 decode GEMV runs
+    it and the bf16 skinny GEMM at 2 a SM (measured: RESULTS.md)."""
+    from v1_engine.kernels import triton_gemv
+    from v1_engine.kernels import triton_gemv_fp8_decode as decode
+
+    monkeypatch.setattr(pdl, "target_programs", lambda device, per_sm: 132 * per_sm)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert decode.EARLY_RELEASE_PER_SM == 2 and triton_gemv.EARLY_RELEASE_PER_SM == 2
+    assert pdl.early_release_from(1792, cuda, 2) == 1792 - 264
+    assert pdl.early_release_from(200, cuda, 2) == 0
+    assert pdl.early_release_from(1792, cpu, 2) == 1792
+    assert pdl.early_release_from(1792, cuda, 1) == 1792 - 132
+    assert pdl.early_release_from(1792, cuda, 0) == 1792
+
+
 def _skip_without_pdl() -> None:
     if not pdl.use_pdl(torch.device("cuda")):
         pytest.skip("PDL is off here (V1ENGINE_PDL=0, a GPU before sm_90 or an older Triton)")

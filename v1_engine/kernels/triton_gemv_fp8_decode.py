@@ -229,7 +229,6 @@ def _launch_decode(
     wgmma_norm = norm is not None and config["mode"] == "wgmma"
     residual, norm_w, residual_out, eps = norm if norm is not None else (out, out, out, 0.0)
     grid = triton.cdiv(cols, config["block_n"])
-    constexprs = _decode_constexprs(m, config, a.device)
     early_from = pdl.early_release_from(grid, a.device, EARLY_RELEASE_PER_SM)
     _fp8_decode_kernel[(grid,)](
         a,
@@ -257,7 +256,7 @@ def _launch_decode(
         GATED=gated,
         HAS_BIAS=bias is not None,
         NORM=norm is not None,
-        **constexprs,
+        **_decode_constexprs(m, config, a.device),
         **_norm_constexprs(m, a.shape[1], a.dtype, norm_w.dtype, wgmma_norm),
         EARLY_RELEASE=early_from < grid,
     )
