@@ -434,27 +434,6 @@ def test_gpu_long_decode_split_kv(dtype, num_splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("batch", "context", "num_splits"), [(1, 160, 32), (64, 1024, None)])
-def test_gpu_early_release_leaves_results_unchanged(batch, context, num_splits, monkeypatch):
-    """EARLY_RELEASE_PER_SM changes when the next kernel may launch, not what attention
-    computes: bit-identical to the launch without it, at batch 1 (one wave, 32 pieces and the
-    merge kernel) and batch 64 (several waves), eager and replayed in a CUDA graph."""
-    case = make_paged_case([1] * batch, [context - 1] * batch, 32, 8, 128, 16, torch.bfloat16,
-                           "cuda", seed=11)  # fmt: skip
-    monkeypatch.setattr(ta, "EARLY_RELEASE_PER_SM", 0)
-    base = run_kernel(case, num_splits=num_splits)
-    monkeypatch.setattr(ta, "EARLY_RELEASE_PER_SM", 2)
-    assert torch.equal(run_kernel(case, num_splits=num_splits), base)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        first = run_kernel(case, num_splits=num_splits)
-        second = run_kernel(case, num_splits=num_splits)
-    graph.replay()
-    assert torch.equal(first, base) and torch.equal(second, base)
-    assert rel_error(base, reference(case)) < TOLERANCE[torch.bfloat16]
-
-
-@pytest.mark.gpu
 def test_gpu_backend_matches_cpu_backend_on_the_model_step_shape():
     """The backend end to end (compiled K/V write + kernel) against the reference backend."""
     heads, kv_heads, head_size, block_size = 9, 3, 64, 16

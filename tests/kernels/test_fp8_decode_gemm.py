@@ -74,38 +74,6 @@ def test_weight_only_matches_reference_interpreted(m, dtype, per_channel):
 
 
 @interpreter_only
-@pytest.mark.parametrize(("k", "preload"), [(88, 64), (64, 64), (96, 32)])
-def test_weight_only_preload_matches_reference_interpreted(k, preload, monkeypatch):
-    """PRELOAD_K: the first `preload` columns read before the wait, the loop walking the rest
-    (88 - 64 leaves a ragged 24-column step; 64 of 64 leaves the loop nothing)."""
-    n = 40
-    x = randn((1, k), 3).to(torch.bfloat16)
-    w, scale_w = quantized_weight(n, k, seed=4)
-    bias = randn((n,), 5).to(torch.bfloat16)
-    monkeypatch.setitem(decode.PRELOAD_K, k, preload)
-    assert decode._preload_k(1, k, SMALL | {"mode": "fma"}, True) == preload
-    out = decode.fp8_weight_only_gemm(x, w, scale_w, bias, mode="fma", **SMALL)
-    assert_matches(out, weight_only_ref(x, w, scale_w, bias))
-
-
-def test_preload_rules(monkeypatch):
-    """PRELOAD_K applies to the weight-only kind's fma body at M = 1, for a power of two that
-    is a multiple of block_k and at most K; anything else launches without it."""
-    fma = {"mode": "fma", "block_k": 512}
-    assert decode._preload_k(1, 4096, fma, True) == 0  # no entry
-    monkeypatch.setitem(decode.PRELOAD_K, 4096, 2048)
-    assert decode._preload_k(1, 4096, fma, True) == 2048
-    assert decode._preload_k(2, 4096, fma, True) == 0  # M > 1
-    assert decode._preload_k(1, 4096, fma, False) == 0  # gated / norm kinds
-    assert decode._preload_k(1, 4096, fma | {"mode": "wgmma"}, True) == 0
-    assert decode._preload_k(1, 4096, fma | {"block_k": 4096}, True) == 0  # not a multiple
-    monkeypatch.setitem(decode.PRELOAD_K, 4096, 3072)  # not a power of two
-    assert decode._preload_k(1, 4096, fma, True) == 0
-    monkeypatch.setitem(decode.PRELOAD_K, 1024, 2048)  # more than K
-    assert decode._preload_k(1, 1024, fma, True) == 0
-
-
-@interpreter_only
 @pytest.mark.parametrize("m", [1, 3, 4])
 @pytest.mark.parametrize("per_token", [True, False])
 @pytest.mark.parametrize("mode", fp8_launch.KIND_MODES["gated"])
@@ -330,27 +298,6 @@ def test_early_release_leaves_results_unchanged_gpu(kind, monkeypatch):
         second = run()
     graph.replay()
     assert torch.equal(first, base) and torch.equal(second, base)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("k", "preload"), [(4096, 4096), (4096, 2048), (14336, 4096)])
-def test_preload_matches_reference_gpu(k, preload, monkeypatch):
-    """The weight-only kind at M = 1 with its first `preload` weight columns read before the
-    PDL wait: near the reference and the launch without it (another summation order), eager
-    and replayed in a CUDA graph behind another GEMM, and the same on every replay."""
-    x = randn((1, k), 9).to("cuda", torch.bfloat16)
-    w, scale_w = quantized_weight(4096, k, seed=10, device="cuda")
-    base = decode.fp8_weight_only_gemm(x, w, scale_w)
-    monkeypatch.setitem(decode.PRELOAD_K, k, preload)
-    out = decode.fp8_weight_only_gemm(x, w, scale_w)
-    assert_matches(out, weight_only_ref(x, w, scale_w))
-    assert_matches(out, base, ulps=2.0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        first = decode.fp8_weight_only_gemm(x, w, scale_w)
-        second = decode.fp8_weight_only_gemm(x, w, scale_w)
-    graph.replay()
-    assert torch.equal(first, out) and torch.equal(second, out)
 
 
 @pytest.mark.gpu

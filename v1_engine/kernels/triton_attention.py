@@ -50,13 +50,7 @@ from v1_engine.kernels.attention_launch import (
     target_programs,
 )
 from v1_engine.kernels.cache_ops import check_fp8_scales
-from v1_engine.kernels.pdl import (
-    early_release_from,
-    launch_options,
-    pdl_release_early,
-    pdl_release_unless,
-    pdl_wait,
-)
+from v1_engine.kernels.pdl import launch_options, pdl_release, pdl_wait
 from v1_engine.kernels.semaphores import split_semaphores
 from v1_engine.kernels.triton_cache import quantize_e4m3
 from v1_engine.kernels.triton_rope import (
@@ -74,13 +68,6 @@ from v1_engine.kernels.triton_split_kv import (
 )
 
 _LOG2E = 1.4426950408889634
-
-EARLY_RELEASE_PER_SM = 0
-"""Programs per SM, counted from the end of the grid, that let the next kernel launch right
-after their PDL wait instead of after their tile loop (pdl.early_release_from; 0: none). A grid
-of one wave (batch-1 decode) then lets the split-KV merge and the o_proj GEMM behind it launch
-at once, so the GEMM's programs can fetch their weights while attention runs (the FP8
-weight-only kind's PRELOAD_K)."""
 
 
 @triton.jit
@@ -202,7 +189,7 @@ def _attend_tiles(
 
 # Per-step counts are not specialised on (Triton would compile a variant for a value of 1 and for
 # multiples of 16): a new batch size must never stall a running engine on a compile.
-@triton.jit(do_not_specialize=["num_reqs", "num_splits", "early_from"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _paged_attention_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, arrivals_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -210,13 +197,13 @@ def _paged_attention_kernel(
     k_new_ptr, v_new_ptr, positions_ptr, cos_ptr, sin_ptr, slot_ptr,  # read with ROPE only
     scale_log2, num_reqs, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-    stride_knt, stride_knh, stride_vnt, stride_vnh, early_from,
+    stride_knt, stride_knh, stride_vnt, stride_vnh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
     USE_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, KV_FP8: tl.constexpr,
-    ROPE: tl.constexpr, IS_NEOX: tl.constexpr, PDL: tl.constexpr, EARLY_RELEASE: tl.constexpr,
+    ROPE: tl.constexpr, IS_NEOX: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # The paging metadata (query starts, sequence lengths, block table, and with ROPE the
     # position and slot) is read before the PDL wait: the step writes it
@@ -267,9 +254,6 @@ def _paged_attention_kernel(
         tl.load(sin_ptr + position * (HEAD_SIZE // 2) + half, mask=half_ok, volatile=True)
 
     pdl_wait(PDL)
-    # Launch order runs axis 0 fastest, then 1, then 2 (EARLY_RELEASE_PER_SM).
-    program = q_block_id + tl.num_programs(0) * (kv_head + tl.num_programs(1) * split)
-    released = pdl_release_early(PDL, EARLY_RELEASE, program, early_from)
     if local_block * BLOCK_Q >= q_len:
         return
     if FUSED_MERGE:  # noqa: SIM102 - a constexpr branch around a runtime one
@@ -346,7 +330,7 @@ def _paged_attention_kernel(
         True, DOT_PRECISION, DOT_F32, KV_FP8,
     )  # fmt: skip
 
-    pdl_release_unless(PDL, released)
+    pdl_release(PDL)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     result = acc / l_safe[:, None]
     if KV_FP8:
@@ -469,8 +453,6 @@ def paged_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     # The interpreter multiplies bfloat16 blocks as their raw bits: upcast there.
     dot_f32 = query.dtype == torch.float32 or (interpreting() and query.dtype == torch.bfloat16)
-    programs = plan.num_q_blocks * num_kv_heads * plan.num_splits
-    early_from = early_release_from(programs, query.device, EARLY_RELEASE_PER_SM)
     _paged_attention_kernel[(plan.num_q_blocks, num_kv_heads, plan.num_splits)](
         output, part_out, part_max, part_sum, arrivals,
         query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
@@ -478,13 +460,12 @@ def paged_attention(
         scale * _LOG2E, num_reqs, plan.num_splits,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
-        *rope_strides, early_from,
+        *rope_strides,
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_SIZE=head_size,
         HEAD_PAD=head_pad, BLOCK_SIZE=kv_cache.shape[2], BLOCK_Q=plan.block_q,
         BLOCK_M=plan.block_m, TILE=plan.tile, USE_SPLITS=use_splits, FUSED_MERGE=plan.fused_merge,
         DOT_PRECISION="ieee" if dot_f32 else "tf32", DOT_F32=dot_f32, KV_FP8=kv_fp8,
-        ROPE=rope is not None, IS_NEOX=is_neox, EARLY_RELEASE=early_from < programs,
-        num_warps=plan.num_warps,
+        ROPE=rope is not None, IS_NEOX=is_neox, num_warps=plan.num_warps,
         num_stages=plan.num_stages, **plan.options, **launch_options(query.device),
     )  # fmt: skip
     if use_splits and not plan.fused_merge:

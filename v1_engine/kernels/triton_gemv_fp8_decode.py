@@ -37,7 +37,6 @@ from v1_engine.kernels.triton_gemv_fp8 import (
     _load_weight_f32,
     _store_rows,
     _swapped_dot,
-    _to_f32,
     _vector_stride,
 )
 from v1_engine.kernels.triton_gemv_fp8_norm import _norm_fma_loop, _norm_wgmma_loop
@@ -51,14 +50,6 @@ from every program's start measured slower (the next kernels took SMs from this 
 waves: RESULTS.md, "Programmatic dependent launch"); the last waves have none left to take.
 Measured on an H100 (RESULTS.md, "The FP8 decode GEMV's last waves signal early"): FP8 batch 1
 3.285 -> 3.274 ms a step at 1, 3.270 at 2, 3.293 at 4."""
-
-PRELOAD_K: dict[int, int] = {}
-"""The weight-only kind at M = 1, by the weight's K: how many of K's leading columns a program
-loads into registers before its PDL wait (a power of two, a multiple of the launch's block_k, at
-most K; absent: none). Weights are parameters, which no kernel of a step writes (kernels/pdl.py's
-exception), so a program launched early under PDL streams that part of its rows while the
-kernels before it finish: o_proj's programs during attention and the split-KV merge, when HBM is
-otherwise idle at batch 1. After the wait only the activation is read for that part."""
 
 
 @triton.jit(do_not_specialize=["M", "stride_sa", "stride_sb", "early_from"])
@@ -100,7 +91,6 @@ def _fp8_decode_kernel(
     ROW_PAD: tl.constexpr,
     NORM_DTYPE: tl.constexpr,
     EARLY_RELEASE: tl.constexpr,
-    PRELOAD_K: tl.constexpr,
 ):
     """The decode kinds: program n owns BLOCK_N of the N output columns over all of K.
     A_FP8 False ("weight_only"): out = (a @ b^T) * scale_b (+ bias), a in 16-bit floats.
@@ -117,16 +107,8 @@ def _fp8_decode_kernel(
     to ROW_PAD values, the norm's output rounded to NORM_DTYPE) and multiplies it in FP8
     warpgroup MMAs; the rows' scales act as scale_a.
     Under PDL with EARLY_RELEASE, programs from `early_from` on let the next kernel launch as
-    they start, the rest after their main loop (EARLY_RELEASE_PER_SM).
-    PRELOAD_K (weight-only, fma body, BLOCK_M 1): the program's rows' first PRELOAD_K weight
-    columns are loaded before the wait (PRELOAD_K above) and multiplied after it; the loop walks
-    the rest of K."""
+    they start, the rest after their main loop (EARLY_RELEASE_PER_SM)."""
     tile = tl.program_id(0)
-    if PRELOAD_K > 0:
-        pre_cols = tl.arange(0, PRELOAD_K)
-        pre_rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        w_pre = tl.load(b_ptr + pre_rows[:, None].to(tl.int64) * stride_bn + pre_cols[None, :],
-                        mask=(pre_rows < N)[:, None], other=0.0)  # fmt: skip
     pdl_wait(PDL)
     released = pdl_release_early(PDL, EARLY_RELEASE, tile, early_from)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -167,11 +149,10 @@ def _fp8_decode_kernel(
         gate = gate * rstd[:, None]
         up = up * rstd[:, None]
     else:
-        a_row = a_ptr + PRELOAD_K + offs_k  # row 0; rows follow at stride_am (see _fma_rows)
+        a_row = a_ptr + offs_k  # row 0; rows follow at stride_am (see _fma_rows)
         g0, g1, g2, g3 = _fma_accumulators(BLOCK_N, BLOCK_K)
         u0, u1, u2, u3 = _fma_accumulators(BLOCK_N, BLOCK_K)
-        g_ptrs += PRELOAD_K
-        for k in tl.range(PRELOAD_K, K, BLOCK_K, num_stages=NUM_STAGES):
+        for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k_row = offs_k < K - k
             w32 = _load_weight_f32(g_ptrs, n_mask, k_row, DOT_F32)
             g0, g1, g2, g3 = _fma_rows(g0, g1, g2, g3, a_row, stride_am, M, w32, k_row, a_row,
@@ -186,9 +167,6 @@ def _fp8_decode_kernel(
         pdl_release_unless(PDL, released)
         gate = _fma_result(g0, g1, g2, g3, offs_m, BLOCK_M)
         up = _fma_result(u0, u1, u2, u3, offs_m, BLOCK_M)
-        if PRELOAD_K > 0:
-            a_pre = _to_f32(tl.load(a_ptr + pre_cols), DOT_F32)
-            gate += tl.sum(_to_f32(w_pre, DOT_F32) * a_pre[None, :], axis=1)[None, :]
     dtype = out_ptr.dtype.element_ty
     scaled_rows = A_FP8 or (NORM and NATIVE)
     if A_FP8:
@@ -281,17 +259,8 @@ def _launch_decode(
         **_decode_constexprs(m, config, a.device),
         **_norm_constexprs(m, a.shape[1], a.dtype, norm_w.dtype, wgmma_norm),
         EARLY_RELEASE=early_from < grid,
-        PRELOAD_K=_preload_k(m, a.shape[1], config, not a_fp8 and norm is None),
     )
     return out
-
-
-def _preload_k(m: int, k: int, config: dict[str, int | str], weight_only: bool) -> int:
-    """The PRELOAD_K constexpr of a launch: PRELOAD_K[k] for the weight-only kind's fma body at
-    M = 1 when it is a power of two, a multiple of block_k and at most K; else 0."""
-    pre = PRELOAD_K.get(k, 0)
-    usable = pre > 0 and pre & (pre - 1) == 0 and pre % int(config["block_k"]) == 0 and pre <= k
-    return pre if usable and weight_only and m == 1 and config["mode"] == "fma" else 0
 
 
 def fp8_weight_only_gemm(
@@ -393,7 +362,6 @@ def precompile_decode(
     args += (out_dtype, out_dtype, out_dtype, k, k, 1e-6, 1)
     constexprs = _decode_constexprs(m, config, torch.device("cuda"))
     constexprs["EARLY_RELEASE"] = EARLY_RELEASE_PER_SM > 0
-    constexprs["PRELOAD_K"] = _preload_k(m, k, config, kind == "weight_only")
     # (the norm kinds: a norm weight in the model's dtype, like x)
     constexprs |= _norm_constexprs(m, k, out_dtype, out_dtype, norm and config["mode"] == "wgmma")
     _fp8_decode_kernel.warmup(
