@@ -2,11 +2,13 @@
 
 Variants (`--variant`): `kv` an e4m3 KV cache with the layers' scales (1.0 unless set), the
 weights as stored; `weights` the linear layers quantized to FP8 at load (quantization="fp8"),
-the LM head in the model dtype; `head` those and the LM head too (quantize_lm_head=True);
+the LM head in the model dtype; `head` those and the LM head too (lm_head_quantization="fp8");
 `head_weight_only` the FP8 linears and an LM head whose weight only is e4m3 (per vocabulary row,
-as quantize_lm_head scales it) while its input stays in the model dtype, emulated by the
+as the FP8 head scales it) while its input stays in the model dtype, emulated by the
 dequantized weight (exact in float32 on the CPU; one more rounding in bf16): how much of the FP8
-head's error is its activation's quantization.
+head's error is its activation's quantization; `head_rescored` the FP8 linears and the rescored
+FP8 head (lm_head_quantization="fp8_rescored"): FP8 scores, each 1024-token slice's top 4
+recomputed in the model dtype; its argmax figures should equal `weights`'.
 
 For each prompt the reference model (model-dtype weights and cache: bf16 on a GPU, float32 on
 the CPU) runs over its own paged cache, decoding greedily: that sequence is the reference. Then
@@ -134,6 +136,7 @@ VARIANTS = {
     "weights": "FP8 vs {dtype} weights (LM head {dtype})",
     "head": "FP8 vs {dtype} weights and LM head",
     "head_weight_only": "FP8 vs {dtype} weights, LM head weight-only FP8",
+    "head_rescored": "FP8 vs {dtype} weights, LM head FP8 rescored",
 }
 """--variant: the row's label."""
 
@@ -181,24 +184,26 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, device)
     path = resolve_model_path(args.model)
 
-    def build(quantization: str | None = None, quantize_lm_head: bool = False):
+    def build(quantization: str | None = None, lm_head: str = "none"):
         return get_model(load_hf_config(path), path, dtype=dtype, device=device,
                          load_format="auto", seed=0, quantization=quantization,
-                         quantize_lm_head=quantize_lm_head)  # fmt: skip
+                         lm_head_quantization=lm_head)  # fmt: skip
 
     reference = build()
     model, cache_dtype = reference, dtype
     if args.variant == "kv":
         cache_dtype = torch.float8_e4m3fn
     elif args.variant == "head_weight_only":
-        model = build("fp8", quantize_lm_head=True)
+        model = build("fp8", "fp8")
         head = model.lm_head
         dequantized = head.quant_method.dequantized_weight(head).to(dtype)
         head.quant_method = None
         del head.weight_scale
         head.weight = torch.nn.Parameter(dequantized, requires_grad=False)
     else:
-        model = build("fp8", quantize_lm_head=args.variant == "head")
+        model = build(
+            "fp8", {"head": "fp8", "head_rescored": "fp8_rescored"}.get(args.variant, "none")
+        )
     backend = get_attn_backend(device)
     tokenizer = get_tokenizer(path)
     prompts = [tokenizer.encode(p) for p in PROMPTS[: args.num_prompts]]

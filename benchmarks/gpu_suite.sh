@@ -189,7 +189,7 @@ if [[ " $STAGES " == *" fp8goal "* ]]; then
   one="--batch-sizes 1 --prefill-lens '' --decode-steps 64 --repeats 2"
   for round in $(seq "${GOAL_PROCS:-2}"); do
     for variant in "" "--quantization fp8" "--quantization fp8 --drop-fusion-passes fp8_dynamic_linear" \
-                   "--quantization fp8 --quantize-lm-head"; do
+                   "--quantization fp8 --lm-head-quantization none"; do
       echo "### round $round: ${variant:-bf16}" | tee -a "$LOG_DIR/fp8goal.log"
       eval python3 benchmarks/latency.py --model "$MODEL" "$one" "$variant" 2>&1 \
         | tee -a "$LOG_DIR/fp8goal.log"

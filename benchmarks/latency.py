@@ -126,9 +126,11 @@ def main() -> None:
         "--quantization", default=None, choices=("fp8",), help="fp8: online FP8 weights"
     )
     parser.add_argument(
-        "--quantize-lm-head",
-        action="store_true",
-        help="also an FP8 LM head (needs --quantization fp8)",
+        "--lm-head-quantization",
+        default="auto",
+        choices=("auto", "none", "fp8", "fp8_rescored"),
+        help="the LM head under --quantization fp8 (ModelConfig.lm_head_quantization; auto: "
+        "fp8_rescored on CUDA)",
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -198,7 +200,7 @@ def main() -> None:
         compilation_config=compilation,
         gpu_memory_utilization=args.gpu_memory_utilization,
         quantization=args.quantization,
-        quantize_lm_head=args.quantize_lm_head,
+        lm_head_quantization=args.lm_head_quantization,
         kv_cache_dtype=args.kv_cache_dtype,
     )
     timed_generate(llm, random_prompts(2, args.input_len, shape.vocab, 99), 4)  # warm-up
@@ -210,7 +212,7 @@ def main() -> None:
         (
             f"model {args.model} (dummy weights, bf16"
             f"{', FP8 weights (roofline columns: the bf16 model)' if args.quantization else ''}"
-            f"{', FP8 LM head' if args.quantize_lm_head else ''}"
+            f"{', LM head ' + args.lm_head_quantization if args.quantization else ''}"
             f"{', e4m3 K/V cache' if args.kv_cache_dtype == 'fp8' else ''}"
             f", {mode}, max_model_len {max_model_len}){'; ' + note if note else ''}; "
             f"bf16 GEMM measured {gemm_tflops:.0f} TFLOP/s; HBM roofline {hbm_rate / 1e12:.2f} "

@@ -173,7 +173,10 @@ def main() -> None:
     parser.add_argument("--compilation-level", type=int, default=2)
     parser.add_argument("--quantization", default=None, choices=("fp8",))
     parser.add_argument(
-        "--quantize-lm-head", action="store_true", help="also an FP8 LM head (as latency.py)"
+        "--lm-head-quantization",
+        default="auto",
+        choices=("auto", "none", "fp8", "fp8_rescored"),
+        help="the LM head under --quantization fp8 (as latency.py)",
     )
     parser.add_argument(
         "--max-model-len",
@@ -216,7 +219,7 @@ def main() -> None:
         load_format="dummy",
         dtype="bfloat16",
         quantization=args.quantization,
-        quantize_lm_head=args.quantize_lm_head,
+        lm_head_quantization=args.lm_head_quantization,
         max_model_len=max_len,
         # Every batch's prompts prefill in one step (one argmax), so the per-decode-step table
         # can cut the trace after it: chunked prompts would overlap the first decode steps.

@@ -248,16 +248,16 @@ def test_fp8_accuracy_compares_a_variant_with_its_reference(tmp_path):
 
     save_scaled_tiny_llama(tmp_path)
 
-    def build(quantization=None, quantize_lm_head=False):
+    def build(quantization=None, lm_head="none"):
         return get_model(load_hf_config(tmp_path), tmp_path, dtype=torch.float32,
                          device=torch.device("cpu"), load_format="auto", seed=0,
-                         quantization=quantization, quantize_lm_head=quantize_lm_head)  # fmt: skip
+                         quantization=quantization, lm_head_quantization=lm_head)  # fmt: skip
 
     reference, backend, f32 = build(), get_attn_backend(torch.device("cpu")), torch.float32
     prompt = [3, 17, 42, 5]
     same = fp8_accuracy.compare_prompt(reference, reference, backend, f32, f32, prompt, 6)
     assert (same.max_abs_diff, same.top1_agree, same.common_prefix) == (0.0, 6, 6)
-    head = build("fp8", quantize_lm_head=True)
+    head = build("fp8", "fp8")
     fp8 = fp8_accuracy.compare_prompt(reference, head, backend, f32, f32, prompt, 6)
     assert fp8.max_abs_diff > 0.0 and fp8.num_tokens == 6 and fp8.num_elements == 6 * 256
     assert fp8.common_prefix <= fp8.top1_agree <= 6

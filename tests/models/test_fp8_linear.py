@@ -33,7 +33,7 @@ QUANTIZED_WEIGHT = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
 
 
 def load(
-    path: Path, quantization: str | None = None, dtype=torch.float32, quantize_lm_head=False
+    path: Path, quantization: str | None = None, dtype=torch.float32, lm_head="none"
 ) -> torch.nn.Module:
     return get_model(
         load_hf_config(path),
@@ -43,7 +43,7 @@ def load(
         load_format="auto",
         seed=0,
         quantization=quantization,
-        quantize_lm_head=quantize_lm_head,
+        lm_head_quantization=lm_head,
     )
 
 
@@ -427,7 +427,7 @@ def test_fp8_decode_passes_in_a_compiled_cpu_engine(tmp_path, default_tokenizer)
 
 
 def cuda_logits(
-    path: Path, quantization: str | None, quantize_lm_head: bool = False
+    path: Path, quantization: str | None, lm_head: str = "none"
 ) -> tuple[torch.Tensor, int]:
     """The bf16 model's prompt logits on CUDA and the bytes its weights took."""
     from test_gpu_vs_hf import GPUPagedDriver
@@ -445,7 +445,7 @@ def cuda_logits(
         load_format="auto",
         seed=0,
         quantization=quantization,
-        quantize_lm_head=quantize_lm_head,
+        lm_head_quantization=lm_head,
     )
     torch.cuda.synchronize()
     weight_bytes = torch.cuda.memory_allocated() - before

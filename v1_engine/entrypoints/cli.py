@@ -17,6 +17,7 @@ from v1_engine.config import (
     ATTENTION_BACKEND_CHOICES,
     DTYPE_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
+    LM_HEAD_QUANTIZATION_CHOICES,
     LOAD_FORMAT_CHOICES,
     QUANTIZATION_CHOICES,
 )
@@ -170,10 +171,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "(an FP8 checkpoint loads as FP8 without this flag) (default: none)",
     )
     group.add_argument(
-        "--quantize-lm-head",
-        action="store_true",
-        help="also quantize the LM head to FP8 e4m3 at load (per vocabulary row; costs some "
-        "logit precision); needs --quantization fp8 or an FP8 checkpoint",
+        "--lm-head-quantization",
+        default="auto",
+        choices=LM_HEAD_QUANTIZATION_CHOICES,
+        help="the LM head under FP8 linear layers: none (model dtype), fp8_rescored (FP8 scores, "
+        "each 1024-token slice's top 4 recomputed in the model dtype), fp8 (all FP8, the "
+        "high-precision weight dropped); auto: fp8_rescored on CUDA with FP8 layers, else none "
+        "(default: auto)",
     )
 
 
@@ -201,7 +205,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager": args.enforce_eager,
         "seed": args.seed,
         "load_format": args.load_format,
-        "quantize_lm_head": args.quantize_lm_head,
+        "lm_head_quantization": args.lm_head_quantization,
         "served_model_name": served_model_name(args),
     }
     optional = (

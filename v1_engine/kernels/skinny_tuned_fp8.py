@@ -102,6 +102,7 @@ FP8_TUNED_LAUNCH: dict[str, dict[tuple[int, int, int], dict[str, int | str] | No
     "weight_only": {
         (1, 4096, 4096): _FMA_O_PROJ,
         (1, 4096, 14336): _FMA_DOWN,
+        (1, 128256, 4096): _FMA_GATE_UP,
     },
     "gated": {
         (1, 28672, 4096): _WGMMA_K128,
@@ -157,4 +158,9 @@ fp8_norm_linear pass): `--fp8 norm --shapes qkv --m 1` and `--fp8 norm_gated --s
 GEMM measured"; no H200 was lent): qkv 12.5 us against 12.9 for the norm-quant kernel and the
 channel GEMM, gate_up 44.2 against 46.3 for the norm-quant kernel and the gated GEMM. Engine FP8
 batch 1 3.372 -> 3.297 ms with them, 3.213 -> 3.117 with the FP8 LM head. Not swept on the
-H200."""
+H200.
+
+weight_only (1, 128256, 4096), the rescored FP8 LM head's scoring GEMM at batch 1: the launch
+`--fp8 channel --modes fma --shapes lm_head --m 1` measured best for the same shape's channel
+kind on an H100 (168.5 us against CUTLASS 173.3; RESULTS.md "The FP8 LM head"), taken for the
+weight-only body, which differs only by reading bf16 activations; not swept as weight_only."""

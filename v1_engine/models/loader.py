@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from v1_engine.config import LM_HEAD_QUANTIZATION_CHOICES
 from v1_engine.kernels.fp8 import GEMM_ALIGNMENT
 from v1_engine.layers.embedding import LMHead
 from v1_engine.layers.linear import Linear
@@ -174,7 +175,7 @@ def get_model(
     load_format: str,
     seed: int,
     quantization: str | None = None,
-    quantize_lm_head: bool = False,
+    lm_head_quantization: str = "auto",
 ) -> nn.Module:
     """Build the model for `hf_config` on `device` in `dtype` and fill its weights.
 
@@ -182,32 +183,29 @@ def get_model(
     safetensors one tensor at a time (or with seeded random values for load_format="dummy").
     Linear layers follow the quantization config (`quantization`, or the checkpoint's own
     `quantization_config`): FP8 checkpoints load as stored; quantization="fp8" quantizes a
-    high-precision checkpoint after loading, freeing its weights. `quantize_lm_head` also
-    quantizes the LM head (per vocabulary row, `LMHead.quantize_fp8`) once the rest is loaded;
-    it needs FP8 linear layers.
+    high-precision checkpoint after loading, freeing its weights. `lm_head_quantization`
+    (ModelConfig's field; "auto" resolved by `resolve_lm_head_quantization`) makes the LM head
+    score in FP8 ("fp8", "fp8_rescored": `LMHead.quantize_fp8`) once the rest is loaded; it
+    needs FP8 linear layers.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     model_class = get_model_class(hf_config)
     quant_config = get_quant_config(quantization, hf_config)
-    if quantize_lm_head and quant_config is None:
-        raise ValueError(
-            "quantize_lm_head needs FP8 linear layers: quantization='fp8' or an FP8 checkpoint"
-        )
-    vocab = getattr(hf_config, "vocab_size", 0)
-    if quantize_lm_head and torch.device(device).type == "cuda" and vocab % GEMM_ALIGNMENT:
-        raise ValueError(
-            f"quantize_lm_head needs a vocab_size that is a multiple of {GEMM_ALIGNMENT} on CUDA "
-            f"(the FP8 GEMM's alignment), got {vocab}"
-        )
+    head = resolve_lm_head_quantization(
+        lm_head_quantization, quant_config is not None, hf_config, device
+    )
     with _default_dtype(dtype), torch.device(device):
         with set_quant_config(quant_config):
             model = model_class(hf_config)
-        if quantize_lm_head and not isinstance(getattr(model, "lm_head", None), LMHead):
-            raise ValueError(
-                f"quantize_lm_head needs a model whose `lm_head` is an LMHead; "
-                f"{model_class.__name__} has none"
-            )
+        if head != "none" and not isinstance(getattr(model, "lm_head", None), LMHead):
+            if lm_head_quantization == "auto":
+                head = "none"
+            else:
+                raise ValueError(
+                    f"lm_head_quantization={head!r} needs a model whose `lm_head` is an LMHead; "
+                    f"{model_class.__name__} has none"
+                )
         if quant_config is not None and quant_config.ignored_modules:
             unquantize_ignored_layers(model, quant_config)
     with torch.no_grad():
@@ -223,9 +221,38 @@ def get_model(
         for module in model.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
-        if quantize_lm_head:
-            model.lm_head.quantize_fp8()
+        if head != "none":
+            model.lm_head.quantize_fp8(rescore=head == "fp8_rescored")
     return model.eval()
+
+
+def resolve_lm_head_quantization(
+    choice: str, fp8_layers: bool, hf_config: Any, device: torch.device
+) -> str:
+    """ModelConfig.lm_head_quantization for this model: "auto" becomes "fp8_rescored" or
+    "none" (see the field; a model without an LMHead takes "none" once built); an explicit FP8
+    head the model cannot take is a ValueError naming the field. Checked before anything is
+    allocated."""
+    if choice not in LM_HEAD_QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"lm_head_quantization must be one of {LM_HEAD_QUANTIZATION_CHOICES}, got {choice!r}"
+        )
+    vocab = getattr(hf_config, "vocab_size", 0)
+    cuda = torch.device(device).type == "cuda"
+    if choice == "auto":
+        fits = fp8_layers and cuda and not vocab % GEMM_ALIGNMENT
+        return "fp8_rescored" if fits else "none"
+    if choice != "none" and not fp8_layers:
+        raise ValueError(
+            f"lm_head_quantization={choice!r} needs FP8 linear layers: quantization='fp8' or an "
+            "FP8 checkpoint"
+        )
+    if choice != "none" and cuda and vocab % GEMM_ALIGNMENT:
+        raise ValueError(
+            f"lm_head_quantization={choice!r} needs a vocab_size that is a multiple of "
+            f"{GEMM_ALIGNMENT} on CUDA (the FP8 GEMM's alignment), got {vocab}"
+        )
+    return choice
 
 
 _FUSED_CHECKPOINT_NAMES = {

@@ -70,7 +70,7 @@ class ModelRunner:
             load_format=mc.load_format,
             seed=mc.seed,
             quantization=mc.quantization,
-            quantize_lm_head=mc.quantize_lm_head,
+            lm_head_quantization=mc.lm_head_quantization,
         )
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             config.cache_config, self.dtype, self.model.attention_layers()
@@ -292,7 +292,7 @@ class ModelRunner:
             ),
             "quantization": self.config.model_config.quantization,
             # The head runs outside the compiled forward today; keyed in case it moves in.
-            "quantize_lm_head": self.config.model_config.quantize_lm_head,
+            "lm_head_quantization": self.config.model_config.lm_head_quantization,
             "max_num_batched_tokens": self.config.scheduler_config.max_num_batched_tokens,
             "device": device,
         }

@@ -67,7 +67,7 @@ def _finish(
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _scaled_linear(
+def scaled_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
@@ -117,7 +117,7 @@ class Fp8OnlineLinearMethod(LinearMethod):
         replace_parameter(layer, "weight_scale", scale)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _scaled_linear(x, layer.weight, layer.weight_scale, bias)
+        return scaled_linear(x, layer.weight, layer.weight_scale, bias)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         if layer.weight.dtype != FP8_DTYPE:
@@ -152,7 +152,7 @@ class Fp8PerTensorLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         input_scale = layer.input_scale if self.static_activations else None
-        return _scaled_linear(x, layer.weight, layer.weight_scale, bias, input_scale)
+        return scaled_linear(x, layer.weight, layer.weight_scale, bias, input_scale)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.float() * _row_scales(layer, layer.weight_scale.data)
