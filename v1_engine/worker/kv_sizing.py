@@ -154,6 +154,9 @@ def make_dummy_forward(
             rows = hidden[-min(num_logits, num_tokens) :]
             logits = model.compute_logits(rows).float()
             torch.softmax(logits, dim=-1)
+            # One row too: the head's decode-sized kernels (the skinny GEMM, the rescored FP8
+            # head's) compile here, at startup, not in the first request's step.
+            model.compute_logits(rows[-1:])
 
     return forward
 
