@@ -49,7 +49,8 @@ class ModelConfig:
     per vocabulary row) scores the vocabulary at decode sizes (up to 16 rows), then the 4
     largest logits of every 1024-token slice are recomputed against the model-dtype weight:
     the likely tokens get the model-dtype logits (greedy picks its token unless five of one
-    slice sit within the FP8 error of each other), the tail FP8 ones; half the head's bytes are
+    slice sit within the FP8 error of each other), the tail FP8 ones (prompt logprobs are
+    always scored by the model-dtype weight); half the head's bytes are
     read (Llama-3-8B: 0.53 GB less a step) for a byte a weight more memory (0.53 GB). "fp8": the head
     quantized as the FP8 layers are (per-token activations too), its high-precision weight
     dropped: the least memory and bytes, every logit with FP8 error. "auto": "fp8_rescored" on

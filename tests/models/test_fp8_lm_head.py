@@ -198,12 +198,13 @@ def test_rescored_head_gives_the_model_dtype_logits_of_each_slices_top(
     assert relative_error(actual, exact) > 1e-3  # the tail really came from the FP8 copy
 
 
-def test_rescored_head_takes_the_weight_whole_beyond_decode_sizes(scaled_dir):
+def test_rescored_head_takes_the_weight_whole_beyond_decode_sizes_or_when_exact(scaled_dir):
     model = load(scaled_dir, "fp8", lm_head="fp8_rescored")
     head = model.lm_head
     hidden = torch.randn(embedding.RESCORE_MAX_M + 1, head.weight.shape[1])
     assert torch.equal(head(hidden), hidden @ head.weight.T)
     assert not torch.equal(head(hidden[:3]), hidden[:3] @ head.weight.T)
+    assert torch.equal(model.compute_logits(hidden[:3], exact=True), hidden[:3] @ head.weight.T)
 
 
 def test_rescored_head_greedy_is_the_model_dtype_heads(scaled_dir):
@@ -245,9 +246,19 @@ def test_llm_with_the_rescored_head_decodes_as_the_model_dtype_head(tmp_path, de
     llm = LLM(str(tmp_path), max_model_len=128, num_kv_blocks=64, quantization="fp8",
               lm_head_quantization="fp8_rescored")  # fmt: skip
     assert llm.engine_core.model_runner.model.lm_head.rescore
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=3)
     out = llm.generate([PROMPT], params, use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == greedy(load(tmp_path, "fp8"), 12)
+    # Prompt logprobs score given tokens, often in the tail: every one from the float32 weight,
+    # as the head without FP8 scoring gives them (13 rows here: a decode-sized input).
+    ref = LLM(str(tmp_path), max_model_len=128, num_kv_blocks=64, quantization="fp8",
+              lm_head_quantization="none")  # fmt: skip
+    want = ref.generate([PROMPT], params, use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == len(PROMPT)
+    for got_pos, want_pos in zip(out.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+        assert got_pos.keys() == want_pos.keys()
+        for token, logprob in got_pos.items():
+            assert logprob.logprob == pytest.approx(want_pos[token].logprob, abs=1e-4)
 
 
 @pytest.mark.gpu

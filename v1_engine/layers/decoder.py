@@ -53,8 +53,10 @@ class CausalLMBase(nn.Module):
         """input_ids, positions [T] (all requests of the step packed) → hidden states [T, H]."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """hidden states [N, H] → logits [N, vocab] in the model's dtype. Their consumers upcast
         where they compute (the sampler's penalties, temperature and logprobs, prompt logprobs);
-        greedy decoding's argmax needs no float32 copy of a 128k-wide row."""
-        return self.lm_head(hidden_states)
+        greedy decoding's argmax needs no float32 copy of a 128k-wide row. `exact`: every logit
+        from the model-dtype weight even where the head scores in FP8 first (the rescored
+        head; prompt logprobs score given tokens, often in the tail)."""
+        return self.lm_head(hidden_states, exact=exact)

@@ -95,10 +95,13 @@ class LMHead(nn.Module):
         self.quant_method = Fp8OnlineLinearMethod()
         self.quant_method.process_weights_after_loading(self)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """Logits in the model dtype. `exact` skips the rescored head's FP8 scoring (every
+        logit from `weight`); the "fp8" head, which keeps no other weight, ignores it."""
         if self.quant_method is not None:
             return self.quant_method.apply(self, hidden_states, None)
-        if self.rescore and hidden_states.dim() == 2 and hidden_states.shape[0] <= RESCORE_MAX_M:
+        decode_sized = hidden_states.dim() == 2 and hidden_states.shape[0] <= RESCORE_MAX_M
+        if self.rescore and decode_sized and not exact:
             return self._rescored(hidden_states.contiguous())
         if hidden_states.is_cuda and self.weight.dtype in (torch.bfloat16, torch.float16):
             # Decode-sized batches: the skinny Triton GEMM (5% faster than cuBLAS on the

@@ -470,7 +470,7 @@ class ModelRunner:
             if end <= start:
                 continue
             h = hidden[int(cu[i]) : int(cu[i]) + end - start]
-            logits = self.model.compute_logits(h)
+            logits = self.model.compute_logits(h, exact=True)
             targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=self.device)
             result[req_id] = compute_prompt_logprobs(logits, targets, k).to_lists()
         return result
