@@ -51,9 +51,11 @@ def prompt_logits(model: torch.nn.Module) -> torch.Tensor:
     return PagedModelDriver(model).step([("a", PROMPT)])[0]
 
 
-def greedy(model: torch.nn.Module, num_tokens: int = NUM_GREEDY) -> list[int]:
+def greedy(
+    model: torch.nn.Module, num_tokens: int = NUM_GREEDY, prompt: list[int] = PROMPT
+) -> list[int]:
     driver = PagedModelDriver(model)
-    logits, tokens = driver.step([("a", PROMPT)])[0][-1], []
+    logits, tokens = driver.step([("a", prompt)])[0][-1], []
     for _ in range(num_tokens):
         tokens.append(int(logits.argmax()))
         logits = driver.step([("a", tokens[-1:])])[0][-1]

@@ -217,17 +217,7 @@ def test_rescored_head_on_the_default_model_decodes_as_the_model_dtype_head(defa
     """The real weights (SmolLM2-135M-Instruct, tied embeddings): the greedy tokens of the FP8
     model with the rescored head are those with its float32 head. (Its FP8 head alone agrees on
     fewer: benchmarks/RESULTS.md, top-1 agreement 0.895 against 0.934.)"""
-    from test_fp8_linear import PagedModelDriver
-
     from v1_engine.models.loader import get_tokenizer
-
-    def decode(model, prompt, steps=20):
-        driver = PagedModelDriver(model)
-        logits, tokens = driver.step([("a", prompt)])[0][-1], []
-        for _ in range(steps):
-            tokens.append(int(logits.argmax()))
-            logits = driver.step([("a", tokens[-1:])])[0][-1]
-        return tokens
 
     exact = load(default_model_dir, "fp8")
     rescored = load(default_model_dir, "fp8", lm_head="fp8_rescored")
@@ -236,7 +226,7 @@ def test_rescored_head_on_the_default_model_decodes_as_the_model_dtype_head(defa
     # The counting prompt's digits are neighbouring token ids, within the FP8 error of each
     # other: with contiguous slices its greedy decode left the float32 head's at step 16.
     prompt = tokenizer.encode("1, 2, 3, 4,")
-    assert decode(rescored, prompt) == decode(exact, prompt)
+    assert greedy(rescored, 20, prompt) == greedy(exact, 20, prompt)
 
 
 def test_llm_with_the_rescored_head_decodes_as_the_model_dtype_head(tmp_path, default_tokenizer):
