@@ -223,6 +223,13 @@ def get_model(
                 module.process_weights_after_loading()
         if head != "none":
             model.lm_head.quantize_fp8(rescore=head == "fp8_rescored")
+            logger.info(
+                "LM head: %s (lm_head_quantization=%r)",
+                "FP8 scores, each slice's top logits re-scored in the model dtype"
+                if head == "fp8_rescored"
+                else "FP8, the model-dtype weight dropped",
+                lm_head_quantization,
+            )
     return model.eval()
 
 
