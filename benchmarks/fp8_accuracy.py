@@ -7,7 +7,7 @@ the LM head in the model dtype; `head` those and the LM head too (lm_head_quanti
 as the FP8 head scales it) while its input stays in the model dtype, emulated by the
 dequantized weight (exact in float32 on the CPU; one more rounding in bf16): how much of the FP8
 head's error is its activation's quantization; `head_rescored` the FP8 linears and the rescored
-FP8 head (lm_head_quantization="fp8_rescored"): FP8 scores, each 1024-token slice's top 4
+FP8 head (lm_head_quantization="fp8_rescored"): FP8 scores, each strided 1024-token slice's top 4
 recomputed in the model dtype; its argmax figures should equal `weights`'.
 
 For each prompt the reference model (model-dtype weights and cache: bf16 on a GPU, float32 on

@@ -175,7 +175,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=LM_HEAD_QUANTIZATION_CHOICES,
         help="the LM head under FP8 linear layers: none (model dtype), fp8_rescored (FP8 scores, "
-        "each 1024-token slice's top 4 recomputed in the model dtype), fp8 (all FP8, the "
+        "each strided 1024-token slice's top 4 recomputed in the model dtype), fp8 (all FP8, the "
         "high-precision weight dropped); auto: fp8_rescored on CUDA with FP8 layers, else none "
         "(default: auto)",
     )
