@@ -34,7 +34,7 @@ from bench_utils import (
 )
 
 from v1_engine import LLM, SamplingParams
-from v1_engine.config import CompilationConfig
+from v1_engine.config import LM_HEAD_QUANTIZATION_CHOICES, CompilationConfig
 
 
 def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument(
         "--lm-head-quantization",
         default="auto",
-        choices=("auto", "none", "fp8", "fp8_rescored"),
+        choices=LM_HEAD_QUANTIZATION_CHOICES,
         help="the LM head under --quantization fp8 (ModelConfig.lm_head_quantization; auto: "
         "fp8_rescored on CUDA)",
     )

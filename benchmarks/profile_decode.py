@@ -30,6 +30,7 @@ from bench_utils import ModelShape, apply_gemm_tables, benchmark_max_model_len, 
 from latency import compilation_config, decode_ms_per_step, random_prompts, timed_generate
 
 from v1_engine import LLM
+from v1_engine.config import LM_HEAD_QUANTIZATION_CHOICES
 
 
 def _device_events(prof: profile) -> list:
@@ -175,7 +176,7 @@ def main() -> None:
     parser.add_argument(
         "--lm-head-quantization",
         default="auto",
-        choices=("auto", "none", "fp8", "fp8_rescored"),
+        choices=LM_HEAD_QUANTIZATION_CHOICES,
         help="the LM head under --quantization fp8 (as latency.py)",
     )
     parser.add_argument(

@@ -71,11 +71,15 @@ class ModelConfig:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}"
             )
-        if self.lm_head_quantization not in LM_HEAD_QUANTIZATION_CHOICES:
-            raise ValueError(
-                f"lm_head_quantization must be one of {LM_HEAD_QUANTIZATION_CHOICES}, got "
-                f"{self.lm_head_quantization!r}"
-            )
+        check_lm_head_quantization(self.lm_head_quantization)
+
+
+def check_lm_head_quantization(choice: str) -> None:
+    """ValueError naming ModelConfig.lm_head_quantization and its choices unless `choice` is one."""
+    if choice not in LM_HEAD_QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"lm_head_quantization must be one of {LM_HEAD_QUANTIZATION_CHOICES}, got {choice!r}"
+        )
 
 
 def default_block_size(hf_config: Any) -> int:

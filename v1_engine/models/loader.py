@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from v1_engine.config import LM_HEAD_QUANTIZATION_CHOICES
+from v1_engine.config import check_lm_head_quantization
 from v1_engine.kernels.fp8 import GEMM_ALIGNMENT
 from v1_engine.layers.embedding import LMHead
 from v1_engine.layers.linear import Linear
@@ -240,10 +240,7 @@ def resolve_lm_head_quantization(
     "none" (see the field; a model without an LMHead takes "none" once built); an explicit FP8
     head the model cannot take is a ValueError naming the field. Checked before anything is
     allocated."""
-    if choice not in LM_HEAD_QUANTIZATION_CHOICES:
-        raise ValueError(
-            f"lm_head_quantization must be one of {LM_HEAD_QUANTIZATION_CHOICES}, got {choice!r}"
-        )
+    check_lm_head_quantization(choice)
     vocab = getattr(hf_config, "vocab_size", 0)
     cuda = torch.device(device).type == "cuda"
     if choice == "auto":
