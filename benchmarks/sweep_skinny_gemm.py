@@ -338,8 +338,8 @@ def report(kind: str, name: str, n: int, k: int, results: dict) -> dict:
         bodies = {}  # the fastest launch of each body (mode), fastest first
         for t in timed:
             bodies.setdefault(str(t[2]["mode"]), t)
-        for body, (us, _, launch) in list(bodies.items())[1:]:
-            print(f"    fastest {body}: {us:7.1f} us {launch}", flush=True)
+        for body, (body_us, _, body_launch) in list(bodies.items())[1:]:
+            print(f"    fastest {body}: {body_us:7.1f} us {body_launch}", flush=True)
         table[(skinny_launch.m_bucket(m), n, k)] = launch if us < cublas else None
     return table
 

@@ -234,6 +234,25 @@ def test_skinny_sweep_builds_only_launches_the_kernels_take(kind):
         assert sorted(map(str, fma + wgmma)) == sorted(map(str, configs))
 
 
+def test_skinny_sweep_table_takes_the_fastest_launch_of_any_body(capsys):
+    """report() prints the fastest launch of each other body too; the table entry (and the
+    --json row) must still be the overall fastest launch, or None where the baseline is faster
+    (a loop over the other bodies once overwrote it with the last one printed)."""
+    from sweep_skinny_gemm import report
+
+    fma = {"mode": "fma", "block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3}
+    wgmma = {"mode": "wgmma", "block_n": 64, "block_k": 256, "num_warps": 4, "num_stages": 3}
+    key = (1, 6144, 4096)
+    timed = [(13.3, "", wgmma), (12.1, "default", fma)]
+    assert report("norm", "qkv", 6144, 4096, {1: (12.8, list(timed))}) == {key: fma}
+    assert "fastest wgmma:    13.3 us" in capsys.readouterr().out
+    timed = [(45.1, "", fma), (43.2, "", wgmma)]
+    assert report("norm_gated", "gate_up", 28672, 4096, {1: (50.3, timed)}) == {
+        (1, 28672, 4096): wgmma
+    }
+    assert report("norm", "qkv", 6144, 4096, {1: (12.0, [(12.1, "", fma)])}) == {key: None}
+
+
 def test_fp8_accuracy_compares_a_variant_with_its_reference(tmp_path):
     """benchmarks/fp8_accuracy.py's comparison: the reference against itself is exact; the model
     with FP8 weights and head is not, and its teacher-forced run sees the reference's tokens."""
