@@ -9,7 +9,7 @@
 # Knobs: BENCH_MODEL (a folder of benchmarks/configs, default llama3-8b), LATENCY_ARGS,
 # THROUGHPUT_ARGS (extra flags), SUITE_STAGES (any of: tests latency throughput startup fp8
 # deepseek profile sweeps fp8tests fp8decode fp8ab fp8goal modes mergeab normab bf16normab
-# waveab; default the first three). `sweeps` runs
+# waveab m1ab; default the first three). `sweeps` runs
 # the launch sweeps of the skinny GEMM and the attention kernel: paste their tables. The FP8
 # decode stages, each meant for one 10-minute device call: `fp8tests` the GPU tests of the
 # FP8 decode kernels, ops and passes; `fp8decode` their sweeps at M 1 / 2 / 4 into one table
@@ -333,6 +333,34 @@ PY
   { echo; echo "## FP8 decode kernel: the last waves' early release (tests; FP8 batch 1)"
     tail -n 1 "$LOG_DIR/waveab_tests.log"
     grep -E "^== |^ *\| 1 " "$LOG_DIR/waveab.log"; } >> "$summary"
+fi
+if [[ " $STAGES " == *" m1ab "* ]]; then
+  # The launches FP8 batch 1 runs by default, re-swept on this card at M = 1 (the norm fold's
+  # qkv and gate_up, the weight-only o_proj, down and LM head) into $M1_TABLES, then FP8 batch 1
+  # without and with them, one process each, alternating, GOAL_PROCS rounds, and bf16 batch 1
+  # once (the goal's denominator). A call of about 7 minutes on an H200.
+  m1_tables=${M1_TABLES:-$LOG_DIR/fp8_m1.json}
+  for sweep in "norm --shapes qkv" "norm_gated --shapes gate_up" \
+               "weight_only --shapes o_proj,down,lm_head"; do
+    # shellcheck disable=SC2086
+    python3 benchmarks/sweep_skinny_gemm.py --fp8 $sweep --m 1 --seconds "${M1AB_SECONDS:-3}" \
+      --json "$m1_tables" 2>&1 | tee -a "$LOG_DIR/m1ab_sweeps.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+  one="--batch-sizes 1 --prefill-lens '' --decode-steps 64 --repeats 2"
+  variants=("--quantization fp8" "--quantization fp8 --gemm-tables $m1_tables")
+  for round in $(seq "${GOAL_PROCS:-2}"); do
+    [ "$round" -eq 1 ] && run=("" "${variants[@]}") || run=("${variants[@]}")
+    for variant in "${run[@]}"; do
+      echo "### round $round: ${variant:-bf16}" | tee -a "$LOG_DIR/m1ab.log"
+      eval python3 benchmarks/latency.py --model "$MODEL" "$one" "$variant" 2>&1 \
+        | tee -a "$LOG_DIR/m1ab.log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    done
+  done
+  { echo; echo "## FP8 batch 1 with this card's M = 1 launches (sweeps; bf16, FP8 base / tables by round)"
+    grep -E "M= 1|fastest|wrote" "$LOG_DIR/m1ab_sweeps.log"
+    grep -E "^### round|^\| 1 " "$LOG_DIR/m1ab.log"; } >> "$summary"
 fi
 cp benchmarks/RESULTS.md "$LOG_DIR/RESULTS.md" 2>/dev/null
 cat "$summary"
