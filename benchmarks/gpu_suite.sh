@@ -16,7 +16,7 @@
 # file (GEMM_TABLES, default $LOG_DIR/fp8_decode.json); `fp8ab` FP8 batch-1 decode without and
 # with that file, alternating (the decode passes are all on by default), and the per-shape FP8 GEMM
 # table at M = 1 without and with it (bring the file back as GEMM_TABLES); `fp8goal` bf16 and
-# FP8 batch 1 (also without fp8_dynamic_linear, and with the FP8 LM head), each in GOAL_PROCS
+# FP8 batch 1 (also without fp8_dynamic_linear, and with the bf16 LM head), each in GOAL_PROCS
 # processes.
 # `modes` profiles batch 1 (bf16, FP8, FP8 without fp8_dynamic_linear) in GOAL_PROCS rounds, one process
 # each, for the per-process slow mode: a slow process whose kernel sum stays is waiting on the
@@ -59,6 +59,13 @@ _C.library_path())"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "environment check failed"; exit 1; }
 
 status=0
+# One latency.py process: a "### LABEL" header, then its output, both appended to LOG; ARGS and
+# VARIANT are flag strings (eval'd, so quoted empty values such as --prefill-lens '' survive).
+latency_run() {  # LOG LABEL ARGS VARIANT
+  echo "### $2" | tee -a "$1"
+  eval python3 benchmarks/latency.py --model "$MODEL" "$3" "$4" 2>&1 | tee -a "$1"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
 summary="$LOG_DIR/summary.md"
 echo "# GPU suite ($MODEL)" > "$summary"
 if [[ " $STAGES " == *" tests "* ]]; then
@@ -165,10 +172,7 @@ if [[ " $STAGES " == *" fp8ab "* ]]; then
   [ -f "$TABLES" ] || { echo "fp8ab: no table file $TABLES (run the fp8decode stage)"; exit 1; }
   ab="--quantization fp8 --batch-sizes 1 --prefill-lens '' --decode-steps 64 --repeats 2"
   for variant in "" "--gemm-tables $TABLES" "" "--gemm-tables $TABLES"; do
-    echo "### variant: ${variant:-base}" | tee -a "$LOG_DIR/fp8ab.log"
-    eval python3 benchmarks/latency.py --model "$MODEL" "$ab" "$variant" 2>&1 \
-      | tee -a "$LOG_DIR/fp8ab.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    latency_run "$LOG_DIR/fp8ab.log" "variant: ${variant:-base}" "$ab" "$variant"
   done
   # The per-shape table at M = 1 (per-channel vs cuBLASLt, block / per-channel) without and
   # with the swept entries: faster per-channel rows lower the block ratio (goal >= 0.8).
@@ -190,13 +194,10 @@ if [[ " $STAGES " == *" fp8goal "* ]]; then
   for round in $(seq "${GOAL_PROCS:-2}"); do
     for variant in "" "--quantization fp8" "--quantization fp8 --drop-fusion-passes fp8_dynamic_linear" \
                    "--quantization fp8 --lm-head-quantization none"; do
-      echo "### round $round: ${variant:-bf16}" | tee -a "$LOG_DIR/fp8goal.log"
-      eval python3 benchmarks/latency.py --model "$MODEL" "$one" "$variant" 2>&1 \
-        | tee -a "$LOG_DIR/fp8goal.log"
-      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      latency_run "$LOG_DIR/fp8goal.log" "round $round: ${variant:-bf16}" "$one" "$variant"
     done
   done
-  { echo; echo "## fp8 batch-1 goal (bf16, FP8, without fp8_dynamic_linear, + FP8 head; by round)"
+  { echo; echo "## fp8 batch-1 goal (bf16, FP8, without fp8_dynamic_linear, with the bf16 head; by round)"
     grep -E "^### round|^\| 1 " "$LOG_DIR/fp8goal.log"; } >> "$summary"
 fi
 if [[ " $STAGES " == *" modes "* ]]; then
@@ -270,10 +271,8 @@ if [[ " $STAGES " == *" normab "* ]]; then
   [ -f "$norm_tables" ] && tables="--gemm-tables $norm_tables"
   for round in $(seq "${GOAL_PROCS:-2}"); do
     for variant in "--drop-fusion-passes fp8_norm_linear" "$tables"; do
-      echo "### round $round: ${variant:-FP8 (default passes)}" | tee -a "$LOG_DIR/normab.log"
-      eval python3 benchmarks/latency.py --model "$MODEL" "$one" "$variant" 2>&1 \
-        | tee -a "$LOG_DIR/normab.log"
-      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      latency_run "$LOG_DIR/normab.log" "round $round: ${variant:-FP8 (default passes)}" "$one" \
+        "$variant"
     done
   done
   { echo; echo "## fp8_norm_linear (tests, sweeps, FP8 batch 1 by round)"
@@ -352,10 +351,7 @@ if [[ " $STAGES " == *" m1ab "* ]]; then
   for round in $(seq "${GOAL_PROCS:-2}"); do
     [ "$round" -eq 1 ] && run=("" "${variants[@]}") || run=("${variants[@]}")
     for variant in "${run[@]}"; do
-      echo "### round $round: ${variant:-bf16}" | tee -a "$LOG_DIR/m1ab.log"
-      eval python3 benchmarks/latency.py --model "$MODEL" "$one" "$variant" 2>&1 \
-        | tee -a "$LOG_DIR/m1ab.log"
-      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      latency_run "$LOG_DIR/m1ab.log" "round $round: ${variant:-bf16}" "$one" "$variant"
     done
   done
   { echo; echo "## FP8 batch 1 with this card's M = 1 launches (sweeps; bf16, FP8 base / tables by round)"
