@@ -224,6 +224,7 @@ SWITCHES = (
     "V1ENGINE_CUTLASS_GEMM",
     "V1ENGINE_FP8_GEMV",
     "V1ENGINE_ATTENTION_BACKEND",
+    "TORCH_BLAS_PREFER_CUBLASLT",
 )
 """Environment variables that change which kernels run: a result section records those set."""
 

@@ -9,7 +9,7 @@
 # Knobs: BENCH_MODEL (a folder of benchmarks/configs, default llama3-8b), LATENCY_ARGS,
 # THROUGHPUT_ARGS (extra flags), SUITE_STAGES (any of: tests latency throughput startup fp8
 # deepseek profile sweeps fp8tests fp8decode fp8ab fp8goal modes mergeab normab bf16normab
-# waveab m1ab; default the first three). `sweeps` runs
+# waveab m1ab blasab; default the first three). `sweeps` runs
 # the launch sweeps of the skinny GEMM and the attention kernel: paste their tables. The FP8
 # decode stages, each meant for one 10-minute device call: `fp8tests` the GPU tests of the
 # FP8 decode kernels, ops and passes; `fp8decode` their sweeps at M 1 / 2 / 4 into one table
@@ -357,6 +357,27 @@ if [[ " $STAGES " == *" m1ab "* ]]; then
   { echo; echo "## FP8 batch 1 with this card's M = 1 launches (sweeps; bf16, FP8 base / tables by round)"
     grep -E "M= 1|fastest|wrote" "$LOG_DIR/m1ab_sweeps.log"
     grep -E "^### round|^\| 1 " "$LOG_DIR/m1ab.log"; } >> "$summary"
+fi
+if [[ " $STAGES " == *" blasab "* ]]; then
+  # torch's cuBLASLt back-end against its default cuBLAS for the F.linear calls the engine
+  # makes (qkv / o_proj at batch 64, every bf16 prefill GEMM): the per-shape table, then bf16
+  # batch 64 x 1k and a 4k prefill with and without TORCH_BLAS_PREFER_CUBLASLT=1 (inherited by
+  # the engine's core process), alternating, one process each, GOAL_PROCS rounds.
+  python3 benchmarks/benchmark_blas_library.py 2>&1 | tee "$LOG_DIR/blasab_gemm.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  shape="--batch-sizes 64 --input-len 1024 --decode-steps 32 --prefill-lens 4096 --repeats 2"
+  for round in $(seq "${GOAL_PROCS:-2}"); do
+    for lt in "" 1; do
+      label="cuBLAS (torch's default)"
+      unset TORCH_BLAS_PREFER_CUBLASLT
+      [ -n "$lt" ] && export TORCH_BLAS_PREFER_CUBLASLT=1 && label="TORCH_BLAS_PREFER_CUBLASLT=1"
+      latency_run "$LOG_DIR/blasab.log" "round $round: $label" "$shape" ""
+    done
+  done
+  unset TORCH_BLAS_PREFER_CUBLASLT
+  { echo; echo "## cuBLASLt vs cuBLAS (per shape; bf16 64 x 1k and prefill 4k by round)"
+    grep -E "^\| |^- " "$LOG_DIR/blasab_gemm.log"
+    grep -E "^### round|^\| (64|4096) " "$LOG_DIR/blasab.log"; } >> "$summary"
 fi
 cp benchmarks/RESULTS.md "$LOG_DIR/RESULTS.md" 2>/dev/null
 cat "$summary"

@@ -31,6 +31,7 @@ from bench_utils import (
     hbm_bytes_per_s,
     measure_gemm_tflops,
     model_dir,
+    switches,
 )
 
 from v1_engine import LLM, SamplingParams
@@ -216,7 +217,7 @@ def main() -> None:
             f"{', e4m3 K/V cache' if args.kv_cache_dtype == 'fp8' else ''}"
             f", {mode}, max_model_len {max_model_len}){'; ' + note if note else ''}; "
             f"bf16 GEMM measured {gemm_tflops:.0f} TFLOP/s; HBM roofline {hbm_rate / 1e12:.2f} "
-            f"TB/s ({hbm_source})"
+            f"TB/s ({hbm_source}); {switches()}"
         ),
         "",
         f"Decode ({args.input_len}-token prompts, {args.decode_steps} steps measured):",

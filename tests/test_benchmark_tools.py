@@ -253,6 +253,16 @@ def test_skinny_sweep_table_takes_the_fastest_launch_of_any_body(capsys):
     assert report("norm", "qkv", 6144, 4096, {1: (12.0, [(12.1, "", fma)])}) == {key: None}
 
 
+def test_blas_library_benchmark_names_a_winner_past_three_percent():
+    from benchmark_blas_library import LIBRARIES, faster
+
+    assert LIBRARIES == ("cublas", "cublaslt")  # torch.backends.cuda.preferred_blas_library's
+    assert faster({"cublas": 17.3, "cublaslt": 12.4}) == "cublaslt"
+    assert faster({"cublas": 10.0, "cublaslt": 10.5}) == "cublas"
+    assert faster({"cublas": 10.0, "cublaslt": 10.2}) is None
+    assert faster({"cublas": 10.2, "cublaslt": 10.0}) is None
+
+
 def test_fp8_accuracy_compares_a_variant_with_its_reference(tmp_path):
     """benchmarks/fp8_accuracy.py's comparison: the reference against itself is exact; the model
     with FP8 weights and head is not, and its teacher-forced run sees the reference's tokens."""
