@@ -34,6 +34,14 @@ from v1_engine.kernels.triton_fused import add_rms_norm
 HIDDEN, INTERMEDIATE = 4096, 14336
 EPS = 1e-5
 
+
+def _fma(block_n: int, block_k: int, **extra: int | str) -> dict[str, int | str]:
+    """A decode launch: the fma body with one tile shape for the gated items and the down
+    partials, `extra` keys over it."""
+    both = {"block_n1": block_n, "block_k1": block_k, "block_n2": block_n, "block_k2": block_k}
+    return {"mode1": "fma", "mode2": "fma", **both, **extra}
+
+
 CANDIDATES = {
     "large": [  # M 17-64
         {},
@@ -47,7 +55,14 @@ CANDIDATES = {
         {"mode1": "dot_swap", "block_n1": 64},
         {"block_k1": 64, "block_k2": 64, "stages1": 4, "stages2": 4},
     ],
-    "small": [  # M 1-16
+    "decode": [  # M 1-4: the fma body in both phases, as the unfused chain runs batch 1
+        _fma(8, 512, split2=4),
+        _fma(16, 256, split2=4),
+        _fma(16, 256, split2=8, per_sm=3),
+        _fma(32, 128, split2=2),
+        _fma(16, 256, split2=4, mode2="dot_swap", block_n2=64, block_k2=128),
+    ],
+    "small": [  # M 5-16
         {"mode1": "dot_swap", "block_n1": 64},
         {"mode1": "dot_swap", "block_n1": 64, "per_sm": 3, "stages1": 2, "stages2": 2},
         {"mode1": "dot_swap", "block_n1": 32},
@@ -116,7 +131,7 @@ def main() -> None:
         if args.launches:
             candidates = json.loads(args.launches)
         else:
-            candidates = CANDIDATES["large" if m > 16 else "small"]
+            candidates = CANDIDATES["large" if m > 16 else "small" if m > 4 else "decode"]
         best = None
         for launch in candidates:
 

@@ -263,6 +263,21 @@ def test_blas_library_benchmark_names_a_winner_past_three_percent():
     assert faster({"cublas": 10.2, "cublaslt": 10.0}) is None
 
 
+def test_fused_mlp_candidates_are_valid_launches():
+    """Every launch benchmark_fused_mlp.py times resolves in the kernel's launch rules at the M
+    it is timed at (a bad key would cost a device call its candidates)."""
+    from benchmark_fused_mlp import CANDIDATES, HIDDEN, INTERMEDIATE
+
+    from v1_engine.kernels import triton_mlp
+
+    for group, ms in (("decode", (1, 4)), ("small", (8, 16)), ("large", (32, 64))):
+        for launch in CANDIDATES[group]:
+            for m in ms:
+                resolved = triton_mlp.resolve_launch(m, INTERMEDIATE, HIDDEN, HIDDEN, launch)
+                assert all(resolved[key] == value for key, value in launch.items())
+    assert all(c["mode1"] == "fma" for c in CANDIDATES["decode"])
+
+
 def test_fp8_accuracy_compares_a_variant_with_its_reference(tmp_path):
     """benchmarks/fp8_accuracy.py's comparison: the reference against itself is exact; the model
     with FP8 weights and head is not, and its teacher-forced run sees the reference's tokens."""

@@ -57,6 +57,19 @@ def test_phases_match_reference_interpreted(mode1, m, ahead):
 
 
 @interpreter_only
+@pytest.mark.parametrize("m", [1, 2])
+def test_fma_bodies_in_both_phases_interpreted(m):
+    """The decode-row launches benchmark_fused_mlp.py times at M <= 4: the fma body for the
+    gated items and the down partials (the unfused chain's bodies at batch 1)."""
+    k, i, n = 48, 96, 40
+    args = operands(m, k, i, n, seed=9)
+    launch = {"mode1": "fma", "block_n1": 8, "block_k1": 32, "mode2": "fma",
+              "block_n2": 8, "block_k2": 32, "split2": 2}  # fmt: skip
+    got = triton_mlp.fused_mlp_add_rms_norm(*args, 1e-5, **launch)
+    assert_close_to_reference(got, triton_mlp.fused_mlp_reference(*args, 1e-5))
+
+
+@interpreter_only
 def test_dot_phase_two_and_strided_rows_interpreted():
     k, i, n, m = 32, 32, 48, 17
     x, w_gate_up, w_down, residual, norm_w = operands(m, k, i, n, seed=5)
