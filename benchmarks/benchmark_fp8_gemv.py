@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from bench_utils import HBM_BYTES_PER_S
-from sweep_skinny_gemm import CALLS, L2_BYTES, SHAPES, graph_us
+from sweep_skinny_gemm import CALLS, SHAPES, graph_us, rotated
 
 from v1_engine.kernels import fp8, fp8_cutlass
 
@@ -70,10 +70,9 @@ def main() -> None:
     speedups = []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        copies = min(CALLS, max(1, math.ceil(4 * L2_BYTES / (n * k))))
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         qw, sw = fp8.per_token_fp8_quant(w)
-        weights = [qw] + [qw.clone() for _ in range(copies - 1)]
+        weights = rotated(qw)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             qx, sx = fp8.per_token_fp8_quant(x)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import os
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.nn.functional as F
 from bench_utils import HBM_BYTES_PER_S, write_gemm_tables
-from sweep_skinny_gemm import CALLS, L2_BYTES, SHAPES, graph_us
+from sweep_skinny_gemm import CALLS, SHAPES, graph_us, rotated
 
 from v1_engine.kernels import gemm_cutlass, skinny_linear_op
 
@@ -96,9 +95,8 @@ def main() -> None:
     tuned: dict[tuple[int, int, int], tuple[int, str, int]] = {}
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        copies = min(CALLS, max(1, math.ceil(4 * L2_BYTES / (2 * n * k))))
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        weights = [w] + [w.clone() for _ in range(copies - 1)]
+        weights = rotated(w)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ w.float().T

@@ -108,6 +108,18 @@ L2_BYTES = 60e6
 NORM_EPS = 1e-5
 
 
+def weight_copies(weight_bytes: float) -> int:
+    """Copies of a weight that CALLS calls cycle over so that none is served from L2 (as
+    consecutive layers are not): enough for four L2s, at most one per call."""
+    return min(CALLS, max(1, math.ceil(4 * L2_BYTES / weight_bytes)))
+
+
+def rotated(weight: torch.Tensor) -> list[torch.Tensor]:
+    """`weight` and its clones, weight_copies of them in all."""
+    copies = weight_copies(weight.numel() * weight.element_size())
+    return [weight] + [weight.clone() for _ in range(copies - 1)]
+
+
 def _compile_one(job: tuple[str, int, dict]) -> str | None:
     """Worker: compile one (kind, M, config) into Triton's cache; the error text if it fails."""
     kind, m, launch = job
@@ -177,7 +189,7 @@ class Problem:
 
     def __init__(self, kind: str, n: int, k: int, ms: list[int]) -> None:
         self.kind = kind
-        copies = min(CALLS, max(1, math.ceil(4 * L2_BYTES / (element_bytes(kind) * n * k))))
+        copies = weight_copies(element_bytes(kind) * n * k)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
         if kind == "bf16":
