@@ -249,7 +249,7 @@ def append_results(title: str, command: str, body: str) -> None:
         f.write(section)
 
 
-TABLE_KINDS = ("bf16", "fp8", "fp8_skinny", "fused_mlp", "cublaslt")
+TABLE_KINDS = ("bf16", "fp8", "fp8_skinny", "fused_mlp")
 
 
 def read_gemm_tables(path: str) -> dict[str, list]:
@@ -264,8 +264,7 @@ def write_gemm_tables(path: str, kind: str, rows: list[list]) -> None:
     (kernels/gemm_cutlass.py), "fp8" rows SCALED_MM_SHAPE_CONFIGS entries [M bucket bound, N,
     K, config] (kernels/fp8_cutlass.py), "fp8_skinny" rows FP8_TUNED_LAUNCH entries [kind, M
     bucket, N, K, launch dict or None] (kernels/fp8_launch.py), "fused_mlp" rows
-    TUNED_LAUNCH entries [M bucket, I, N, launch dict] (kernels/triton_mlp.py), "cublaslt"
-    rows CUBLASLT_SHAPES entries [M bucket, N, K] (kernels/skinny_linear_op.py)."""
+    TUNED_LAUNCH entries [M bucket, I, N, launch dict] (kernels/triton_mlp.py)."""
     if kind not in TABLE_KINDS:
         raise ValueError(f"kind must be one of {TABLE_KINDS}, got {kind!r}")
     tables = read_gemm_tables(path)
@@ -279,13 +278,7 @@ def apply_gemm_tables(path: str) -> str:
     one-line account of what was set."""
     import math
 
-    from v1_engine.kernels import (
-        fp8_cutlass,
-        fp8_launch,
-        gemm_cutlass,
-        skinny_linear_op,
-        triton_mlp,
-    )
+    from v1_engine.kernels import fp8_cutlass, fp8_launch, gemm_cutlass, triton_mlp
 
     tables = json.loads(Path(path).read_text())
     unknown = set(tables) - set(TABLE_KINDS)
@@ -309,12 +302,9 @@ def apply_gemm_tables(path: str) -> str:
         key = (int(bucket), int(i), int(n))
         triton_mlp.TUNED_LAUNCH[key] = triton_mlp.resolve_launch(int(bucket), int(i), int(n), 0,
                                                                  launch)  # fmt: skip
-    for bucket, n, k in tables.get("cublaslt", []):
-        skinny_linear_op.CUBLASLT_SHAPES.add((int(bucket), int(n), int(k)))
     return (
         f"GEMM tables from {path}: {len(tables.get('bf16', []))} bf16 GEMM_TUNED entries, "
         f"{len(tables.get('fp8', []))} FP8 SCALED_MM_SHAPE_CONFIGS entries, "
         f"{len(tables.get('fp8_skinny', []))} FP8 skinny FP8_TUNED_LAUNCH entries, "
-        f"{len(tables.get('fused_mlp', []))} fused MLP TUNED_LAUNCH entries, "
-        f"{len(tables.get('cublaslt', []))} CUBLASLT_SHAPES entries"
+        f"{len(tables.get('fused_mlp', []))} fused MLP TUNED_LAUNCH entries"
     )

@@ -11,12 +11,13 @@ every prefill GEMM. Each back-end is timed in this process as sweep_skinny_gemm.
 10 calls captured in one CUDA graph over enough weight copies that none is served from L2,
 replayed under do_bench, after its output was checked against the float32 product. Prints a
 markdown table (us, the weight bytes' fraction of the HBM roofline, TFLOP/s) and the shapes where
-either was at least 3% faster; `--json` writes cuBLASLt's as CUBLASLT_SHAPES entries
-(kernels/skinny_linear_op.py: the engine's op runs those shapes' F.linear on cuBLASLt), for
-`latency.py --gemm-tables`.
+either was at least 3% faster. Measured on an H100 (benchmarks/RESULTS.md, "The H100's M = 1
+launches re-swept, cuBLASLt at batch 64, ..."): qkv and o_proj at M = 64 take the same time on
+both, and the engine at batch 64 x 1k the same with TORCH_BLAS_PREFER_CUBLASLT=1, so the engine
+has no per-shape route to cuBLASLt.
 
     python benchmarks/benchmark_blas_library.py
-    python benchmarks/benchmark_blas_library.py --m 64 --shapes qkv,o_proj --json blaslt.json
+    python benchmarks/benchmark_blas_library.py --m 64 --shapes qkv,o_proj
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import contextlib
 import functools
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,14 +34,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.nn.functional as F
-from bench_utils import HBM_BYTES_PER_S, machine, write_gemm_tables
+from bench_utils import HBM_BYTES_PER_S, machine
 from sweep_skinny_gemm import CALLS, SHAPES, graph_us, rotated
-
-from v1_engine.kernels.skinny_launch import m_bucket
-from v1_engine.kernels.skinny_linear_op import on_cublaslt
 
 LIBRARIES = ("cublas", "cublaslt")
 """torch.backends.cuda.preferred_blas_library's names of the two back-ends timed."""
+
+
+@contextlib.contextmanager
+def on_library(library: str) -> Iterator[None]:
+    """torch's CUDA matmuls inside the block run on `library` (the process-wide preference, put
+    back after)."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
 
 WIN = 1.03
 """A back-end counts as faster at a shape when it takes at most 1/WIN of the other's time."""
@@ -49,7 +61,7 @@ def time_library(
     library: str, x: torch.Tensor, weights: list[torch.Tensor], ref: torch.Tensor
 ) -> float:
     """us a call of F.linear(x, w) on `library`, after checking one call against `ref`."""
-    with on_cublaslt() if library == "cublaslt" else contextlib.nullcontext():
+    with on_library(library):
         out = F.linear(x, weights[0]).float()
         scale = ref.abs().amax().item()
         if not torch.allclose(out, ref, rtol=2e-2, atol=2e-2 * scale):
@@ -72,12 +84,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", default="1,16,32,64,128,512,4096", help="comma-separated rows")
     parser.add_argument("--shapes", default="qkv,o_proj,gate_up,down,lm_head")
-    parser.add_argument(
-        "--json",
-        default=None,
-        help="write the shapes where cuBLASLt won as CUBLASLT_SHAPES entries (kind cublaslt) to "
-        "this table file, for latency.py --gemm-tables",
-    )
     args = parser.parse_args()
     ms = [int(v) for v in args.m.split(",") if v]
     torch.manual_seed(0)
@@ -87,7 +93,6 @@ def main() -> None:
           "| TFLOP/s cuBLAS | TFLOP/s cuBLASLt |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     wins: dict[str, list[str]] = {name: [] for name in LIBRARIES}
-    rows: list[list[int]] = []
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -108,15 +113,10 @@ def main() -> None:
             winner = faster(us)
             if winner is not None:
                 wins[winner].append(f"{name} M={m}")
-            if winner == "cublaslt":
-                rows.append([m_bucket(m), n, k])
         del weights, w
         torch.cuda.empty_cache()
     for lib in LIBRARIES:
         print(f"- {lib} faster: {', '.join(wins[lib]) or 'nowhere'}")
-    if args.json:
-        write_gemm_tables(args.json, "cublaslt", rows)
-        print(f"wrote {len(rows)} CUBLASLT_SHAPES entries to {args.json}")
 
 
 if __name__ == "__main__":

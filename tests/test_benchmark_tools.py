@@ -122,16 +122,9 @@ def test_make_variants_takes_files_from_a_commit(tmp_path):
 def test_gemm_tables_round_trip_into_the_dispatch_tables(tmp_path, monkeypatch):
     import math
 
-    from v1_engine.kernels import (
-        fp8_cutlass,
-        fp8_launch,
-        gemm_cutlass,
-        skinny_linear_op,
-        triton_mlp,
-    )
+    from v1_engine.kernels import fp8_cutlass, fp8_launch, gemm_cutlass, triton_mlp
 
     monkeypatch.setattr(gemm_cutlass, "GEMM_TUNED", {})
-    monkeypatch.setattr(skinny_linear_op, "CUBLASLT_SHAPES", set())
     monkeypatch.setattr(triton_mlp, "TUNED_LAUNCH", {})
     fp8_skinny = {"channel": {(1, 4096, 4096): None}, "block": {}}
     monkeypatch.setattr(fp8_launch, "FP8_TUNED_LAUNCH", fp8_skinny)
@@ -141,7 +134,6 @@ def test_gemm_tables_round_trip_into_the_dispatch_tables(tmp_path, monkeypatch):
     write_gemm_tables(path, "fp8", [[32, 4096, 4096, 8], ["inf", 4096, 14336, 9]])
     write_gemm_tables(path, "bf16", [[64, 4096, 4096, 3, "split_k", 2]])  # replaces its kind
     write_gemm_tables(path, "fused_mlp", [[64, 14336, 4096, {"block_n1": 16}]])
-    write_gemm_tables(path, "cublaslt", [[64, 6144, 4096], [4096, 4096, 4096]])
     fma = {"mode": "fma", "block_n": 4, "block_k": 1024, "num_warps": 4, "num_stages": 4}
     write_gemm_tables(
         path, "fp8_skinny", [["channel", 1, 4096, 4096, fma], ["channel", 1, 6144, 4096, None]]
@@ -149,10 +141,6 @@ def test_gemm_tables_round_trip_into_the_dispatch_tables(tmp_path, monkeypatch):
     summary = apply_gemm_tables(path)
     assert "1 bf16 GEMM_TUNED entries, 2 FP8" in summary
     assert "2 FP8 skinny FP8_TUNED_LAUNCH entries" in summary
-    assert summary.endswith("2 CUBLASLT_SHAPES entries")
-    assert skinny_linear_op.prefers_cublaslt(48, 6144, 4096)
-    assert skinny_linear_op.prefers_cublaslt(3000, 4096, 4096)
-    assert not skinny_linear_op.prefers_cublaslt(16, 6144, 4096)
     assert fp8_skinny["channel"] == {(1, 4096, 4096): fma | {"split_k": 1}, (1, 6144, 4096): None}
     assert fp8_launch.prefers_fp8_skinny("channel", 1, 4096, 4096)
     assert not fp8_launch.prefers_fp8_skinny("channel", 1, 6144, 4096)

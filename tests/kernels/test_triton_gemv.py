@@ -200,41 +200,6 @@ def test_cuda_body_runs_the_kernel_up_to_max_m_interpreted(monkeypatch):
         assert torch.equal(out, F.linear(x, w_x, bias_x))
 
 
-def test_cublaslt_shapes_run_f_linear_on_cublaslt(monkeypatch):
-    """A shape in CUBLASLT_SHAPES (by M's power-of-two bucket) runs F.linear with torch's
-    preferred BLAS back-end set to cuBLASLt, and the preference is put back after (also when the
-    call raises); other shapes never touch it. The back-end switch is recorded, not made: CPU
-    torch has no cuBLASLt."""
-    state = ["default"]
-    seen = []
-
-    def preferred(backend=None):
-        if backend is not None:
-            state[0] = backend
-        return state[0]
-
-    real_linear = F.linear
-
-    def linear(x, w, bias=None):
-        seen.append((x.shape[0], state[0]))
-        if x.shape[0] == 40:
-            raise RuntimeError("a failing GEMM")
-        return real_linear(x, w, bias)
-
-    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
-    monkeypatch.setattr(skinny_linear_op, "CUBLASLT_SHAPES", {(64, 24, 64)})
-    monkeypatch.setattr(skinny_linear_op.F, "linear", linear)
-    w = values((24, 64), torch.float32, 1)
-    for m in (33, 64, 65, 16):
-        x = values((m, 64), torch.float32, m)
-        assert torch.equal(skinny_linear_op.skinny_linear_cuda(x, w), x @ w.T)
-    assert seen == [(33, "cublaslt"), (64, "cublaslt"), (65, "default"), (16, "default")]
-    assert state == ["default"]
-    with pytest.raises(RuntimeError, match="a failing GEMM"):
-        skinny_linear_op.skinny_linear_cuda(values((40, 64), torch.float32, 2), w)
-    assert seen[-1] == (40, "cublaslt") and state == ["default"]
-
-
 # ---- dispatch rules, launch table, tracing (no kernel runs) ---------------------------------
 
 
@@ -434,28 +399,6 @@ def test_cuda_graph_replay_gpu():
         graph.replay()
         torch.cuda.synchronize()
         assert_matches(out, reference(x, w, bias), k)
-
-
-@pytest.mark.gpu
-def test_cublaslt_shape_replays_in_a_cuda_graph_gpu(monkeypatch):
-    """qkv at M = 64 routed to cuBLASLt (CUBLASLT_SHAPES): right eagerly and in a captured CUDA
-    graph replayed on new inputs, with torch's preference back at its default afterwards."""
-    n, k = LLAMA3_8B_SHAPES["qkv"]
-    monkeypatch.setattr(skinny_linear_op, "CUBLASLT_SHAPES", {(64, n, k)})
-    before = torch.backends.cuda.preferred_blas_library()
-    w = values((n, k), torch.bfloat16, 1, "cuda") * 0.02
-    x = values((64, k), torch.bfloat16, 3, "cuda")
-    assert_matches(skinny_linear_op.skinny_linear(x, w), reference(x, w, None), k)
-    assert torch.backends.cuda.preferred_blas_library() == before
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = skinny_linear_op.skinny_linear(x, w)
-    for seed in (4, 5):
-        x.copy_(values((64, k), torch.bfloat16, seed, "cuda"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_matches(out, reference(x, w, None), k)
-    assert torch.backends.cuda.preferred_blas_library() == before
 
 
 @pytest.mark.gpu
