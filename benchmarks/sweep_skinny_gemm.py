@@ -108,15 +108,10 @@ L2_BYTES = 60e6
 NORM_EPS = 1e-5
 
 
-def weight_copies(weight_bytes: float) -> int:
-    """Copies of a weight that CALLS calls cycle over so that none is served from L2 (as
-    consecutive layers are not): enough for four L2s, at most one per call."""
-    return min(CALLS, max(1, math.ceil(4 * L2_BYTES / weight_bytes)))
-
-
 def rotated(weight: torch.Tensor) -> list[torch.Tensor]:
-    """`weight` and its clones, weight_copies of them in all."""
-    copies = weight_copies(weight.numel() * weight.element_size())
+    """`weight` and its clones, for CALLS calls to cycle over so that none is served from L2
+    (as consecutive layers are not): enough copies for four L2s, at most one per call."""
+    copies = min(CALLS, max(1, math.ceil(4 * L2_BYTES / (weight.numel() * weight.element_size()))))
     return [weight] + [weight.clone() for _ in range(copies - 1)]
 
 
@@ -189,11 +184,10 @@ class Problem:
 
     def __init__(self, kind: str, n: int, k: int, ms: list[int]) -> None:
         self.kind = kind
-        copies = weight_copies(element_bytes(kind) * n * k)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in ms}
         if kind == "bf16":
-            self.weights = [w] + [w.clone() for _ in range(copies - 1)]
+            self.weights = rotated(w)
             self.xs = xs
             return
         if kind in NORM_KINDS:
@@ -206,7 +200,7 @@ class Problem:
         else:
             qw, self.scale_w = quantize_matrix_block_fp8(w)
             self.xs = {m: fp8.per_token_group_fp8_quant(x, 128) for m, x in xs.items()}
-        self.weights = [qw] + [qw.clone() for _ in range(copies - 1)]
+        self.weights = rotated(qw)
 
     def baseline(self, m: int, w: torch.Tensor) -> torch.Tensor:
         if self.kind == "bf16":
