@@ -336,10 +336,8 @@ fi
 if [[ " $STAGES " == *" m1ab "* ]]; then
   # The launches FP8 batch 1 runs by default, re-swept on this card at M = 1 (the norm fold's
   # qkv and gate_up, the weight-only o_proj, down and LM head) into $M1_TABLES, then FP8 batch 1
-  # without and with them, and with them plus the opt-in fp8_dynamic_linear (o_proj on its bf16
-  # input through the re-swept weight-only entry, no quant kernel), one process each,
-  # alternating, GOAL_PROCS rounds, and bf16 batch 1 once (the goal's denominator). About 5
-  # minutes on an H100 at GOAL_PROCS=1.
+  # without and with them, one process each, alternating, GOAL_PROCS rounds, and bf16 batch 1
+  # once (the goal's denominator). A call of about 7 minutes on an H200.
   m1_tables=${M1_TABLES:-$LOG_DIR/fp8_m1.json}
   for sweep in "norm --shapes qkv" "norm_gated --shapes gate_up" \
                "weight_only --shapes o_proj,down,lm_head"; do
@@ -349,8 +347,7 @@ if [[ " $STAGES " == *" m1ab "* ]]; then
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   done
   one="--batch-sizes 1 --prefill-lens '' --decode-steps 64 --repeats 2"
-  variants=("--quantization fp8" "--quantization fp8 --gemm-tables $m1_tables"
-            "--quantization fp8 --gemm-tables $m1_tables --add-fusion-passes fp8_dynamic_linear")
+  variants=("--quantization fp8" "--quantization fp8 --gemm-tables $m1_tables")
   for round in $(seq "${GOAL_PROCS:-2}"); do
     [ "$round" -eq 1 ] && run=("" "${variants[@]}") || run=("${variants[@]}")
     for variant in "${run[@]}"; do
