@@ -62,6 +62,40 @@ def test_invalid_chat_fields(server, auth_headers):
     assert_error(post(server, "/v1/chat/completions", auth_headers, json=top), 400)
 
 
+def test_response_format_text_is_the_default(client, model_name):
+    """{"type": "text"} constrains nothing: the same greedy completion as without it."""
+    request = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 8,
+        "temperature": 0.0,
+    }
+    plain = client.chat.completions.create(**request)
+    text = client.chat.completions.create(**request, response_format={"type": "text"})
+    assert plain.choices[0].message.content
+    assert text.choices[0].message.content == plain.choices[0].message.content
+    assert text.usage.completion_tokens == plain.usage.completion_tokens
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+    ],
+)
+def test_json_response_formats_are_refused_by_name(client, model_name, response_format):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            response_format=response_format,
+        )
+    assert info.value.body["param"] == "response_format.type"
+    assert "'text'" in info.value.message
+
+
 def test_prompt_longer_than_context(client, model_name):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=model_name, prompt="hello " * 3000, max_tokens=4)

@@ -132,8 +132,18 @@ class ChatMessage(StrictModel):
         return {"role": role, "content": content or ""}
 
 
+class ResponseFormat(StrictModel):
+    """Only {"type": "text"}, OpenAI's default (no constraint on the output), which some
+    clients send on every request. The JSON modes ("json_object", "json_schema") need
+    structured outputs, which the engine does not have: they are a 400 naming the field and
+    the one allowed value."""
+
+    type: Literal["text"]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    response_format: ResponseFormat | None = None
     max_tokens: int | None = Field(None, ge=1)
     """Deprecated by OpenAI in favour of max_completion_tokens; both are accepted."""
     max_completion_tokens: int | None = Field(None, ge=1)
