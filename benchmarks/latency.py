@@ -165,13 +165,6 @@ def main() -> None:
         "CUDA graphs are captured for this length, so it sets their split-KV factor",
     )
     parser.add_argument(
-        "--decode-context-buckets",
-        default=None,
-        help="comma-separated contexts decode graphs are also captured for (CompilationConfig."
-        "decode_context_buckets; empty: none, one graph a batch size planned for max_model_len); "
-        "default: the engine's",
-    )
-    parser.add_argument(
         "--gemm-tables",
         default=None,
         help="a JSON file of GEMM dispatch entries to add before the engine starts (written by "
@@ -190,11 +183,6 @@ def main() -> None:
     )
     if isinstance(compilation, dict):
         args.fusion_passes = ",".join(compilation["fusion_passes"])
-    if args.decode_context_buckets is not None:
-        if isinstance(compilation, int):
-            compilation = {"level": compilation}
-        buckets = [int(b) for b in args.decode_context_buckets.split(",") if b]
-        compilation["decode_context_buckets"] = buckets
     shape = ModelShape.from_config(args.model)
     longest = max(prefill_lens + [args.input_len + args.decode_steps + 1]) + 128
     path, note = model_dir(args.model, min_positions=longest)
@@ -220,8 +208,6 @@ def main() -> None:
     mode = "eager -O0" if args.compilation_level == 0 else f"compiled -O{args.compilation_level}"
     if args.fusion_passes is not None:
         mode += f", fusion passes [{args.fusion_passes}]"
-    if args.decode_context_buckets is not None:
-        mode += f", decode context buckets [{args.decode_context_buckets}]"
 
     lines = [
         (

@@ -10,13 +10,6 @@ slot mapping, sequence lengths, block table); a step copies its inputs into them
 graph of the smallest captured size that holds its batch. Padding rows decode a dummy token: their
 K/V write is skipped (slot -1) and they attend over one cached position, so they stay finite and
 are never read back.
-
-Context buckets. The attention launch inside a graph is planned for the longest context the graph
-serves (its split-KV factor, and whether a second kernel merges the pieces). Planned for
-max_model_len, a batch of one cuts its keys into 32 pieces and merges them in a second kernel a
-layer, though a short context fills only the first few. So a batch size may also get graphs for
-shorter contexts (`context_graph_lens`): a step replays the graph of the shortest context that
-holds its longest sequence. The same buffers feed every graph; only the launches differ.
 """
 
 from __future__ import annotations
@@ -26,7 +19,6 @@ import contextlib
 import gc
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -56,33 +48,6 @@ def fast_capture() -> Iterator[None]:
         gc.collect, torch.cuda.empty_cache = collect, empty_cache
 
 
-LaunchKey = Callable[[int, int], object]
-"""(batch size, longest context) -> what the attention launches of a decode graph depend on;
-two graphs with equal keys run the same launches."""
-
-
-def context_graph_lens(
-    sizes: Iterable[int], buckets: Iterable[int], max_seq_len: int, launch_key: LaunchKey | None
-) -> dict[int, list[int]]:
-    """The contexts each batch size's decode graphs are planned for, ascending, the last always
-    max_seq_len. A bucket below max_seq_len gets a graph where its launch key differs from that
-    of the next longer graph kept (a graph with the same launches would only cost capture time
-    and memory); without `launch_key` every size has the one graph."""
-    below = sorted({b for b in buckets if b < max_seq_len}, reverse=True)
-    lens: dict[int, list[int]] = {}
-    for size in sorted(set(sizes)):
-        kept = [max_seq_len]
-        if launch_key is not None:
-            above = launch_key(size, max_seq_len)
-            for bucket in below:
-                key = launch_key(size, bucket)
-                if key != above:
-                    kept.insert(0, bucket)
-                    above = key
-        lens[size] = kept
-    return lens
-
-
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -91,8 +56,7 @@ class _Captured:
 
 
 class DecodeCudaGraphs:
-    """Whole-forward CUDA graphs of uniform decode batches: one per captured batch size, planned
-    for max_seq_len, plus one per context bucket where `context_graph_lens` keeps it.
+    """Whole-forward CUDA graphs of uniform decode batches, one per captured batch size.
 
     Graphs are captured largest first into one shared memory pool: a graph's intermediate
     buffers are freed once it is captured, so the next (smaller) graph reuses the same memory and
@@ -107,8 +71,6 @@ class DecodeCudaGraphs:
         max_seq_len: int,
         device: torch.device,
         pool: tuple[int, int] | None = None,
-        context_buckets: Iterable[int] = (),
-        launch_key: LaunchKey | None = None,
     ) -> None:
         self.forward = forward
         self.sizes = sorted(set(capture_sizes))
@@ -116,8 +78,6 @@ class DecodeCudaGraphs:
             raise ValueError("cudagraph capture sizes must not be empty")
         self.max_seq_len = max_seq_len
         """The longest context a request may reach: the attention launch is sized for it."""
-        self.context_lens = context_graph_lens(self.sizes, context_buckets, max_seq_len, launch_key)
-        """Batch size -> the contexts its graphs are planned for, ascending (last max_seq_len)."""
         self.device = device
         n = self.sizes[-1]
         # Inference tensors, like a step's inputs: Dynamo guards on the dispatch keys.
@@ -130,15 +90,12 @@ class DecodeCudaGraphs:
             self.block_table = torch.zeros(
                 (n, max_blocks_per_req), dtype=torch.int32, device=device
             )
-        self._graphs: dict[tuple[int, int], _Captured] = {}
-        """(batch size, context) -> its graph."""
+        self._graphs: dict[int, _Captured] = {}
         self._pool = pool
         self.capture_s = 0.0
         self.pool_bytes = 0
         """Device memory the captures took (the shared pool plus graph objects)."""
         self.num_replays = 0
-        self.replays: Counter[tuple[int, int]] = Counter()
-        """Replays per (batch size, context) graph."""
 
     @property
     def max_size(self) -> int:
@@ -158,17 +115,8 @@ class DecodeCudaGraphs:
             and bool(self._graphs)
         )
 
-    def graph_for(self, num_reqs: int, max_seq_len: int) -> tuple[int, int] | None:
-        """(batch size, context) of the graph a decode step of `num_reqs` requests whose longest
-        sequence has `max_seq_len` tokens replays, or None when no size holds the batch."""
-        size = self.padded_size(num_reqs)
-        if size is None:
-            return None
-        lens = self.context_lens[size]
-        return size, lens[bisect.bisect_left(lens, max_seq_len, hi=len(lens) - 1)]
-
-    def _metadata(self, size: int, context: int) -> AttentionMetadata:
-        """Metadata over the persistent buffers, as a graph for `context` tokens sees it."""
+    def _metadata(self, size: int) -> AttentionMetadata:
+        """Metadata over the persistent buffers, as a captured graph sees it."""
         return AttentionMetadata(
             num_actual_tokens=size,
             query_start_loc=self.query_start_loc[: size + 1],
@@ -176,27 +124,23 @@ class DecodeCudaGraphs:
             block_table=self.block_table[:size],
             slot_mapping=self.slot_mapping[:size],
             max_query_len=1,
-            max_seq_len=context,
+            max_seq_len=self.max_seq_len,
             query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
             seq_lens_cpu=torch.ones(size, dtype=torch.int32),
         )
 
     @torch.inference_mode()
     def capture(self, attn_backend: object, attention_layers: list) -> None:
-        """Capture every (size, context) graph, largest size first, sharing one memory pool."""
+        """Capture one graph per size, largest first, sharing one memory pool."""
         start = time.perf_counter()
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        keys = [
-            (size, context)
-            for size in sorted(self.sizes, reverse=True)
-            for context in reversed(self.context_lens[size])
-        ]
+        sizes = sorted(self.sizes, reverse=True)
         gc.collect()
-        for size, context in tqdm(keys, desc="Capturing decode CUDA graphs", unit="graph"):
-            metadata = self._metadata(size, context)
+        for size in tqdm(sizes, desc="Capturing decode CUDA graphs", unit="graph"):
+            metadata = self._metadata(size)
             input_ids, positions = self.input_ids[:size], self.positions[:size]
             with set_forward_context(metadata, attn_backend, attention_layers):
                 # Warm-up outside capture: kernels compile and allocators settle here.
@@ -205,19 +149,15 @@ class DecodeCudaGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with fast_capture(), torch.cuda.graph(graph, pool=self._pool):
                     output = self.forward(input_ids, positions)
-            self._graphs[size, context] = _Captured(graph, output)
+            self._graphs[size] = _Captured(graph, output)
         torch.cuda.synchronize(self.device)
         self.pool_bytes = max(free_before - torch.cuda.mem_get_info(self.device)[0], 0)
         self.capture_s = time.perf_counter() - start
-        short = {s: lens[:-1] for s, lens in self.context_lens.items() if len(lens) > 1}
         logger.info(
-            "captured %d decode CUDA graphs (batch sizes %d..%d%s) in %.1f s, %.2f GiB",
-            len(keys),
+            "captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB",
+            len(sizes),
             self.sizes[0],
             self.max_size,
-            "; short contexts: " + ", ".join(f"batch {s} {v}" for s, v in short.items())
-            if short
-            else "",
             self.capture_s,
             self.pool_bytes / 2**30,
         )
@@ -236,9 +176,8 @@ class DecodeCudaGraphs:
         step's other inputs and the padding rows in one launch). The returned tensor is the
         graph's output buffer: read it before the next replay."""
         n = metadata.num_reqs
-        key = self.graph_for(n, metadata.max_seq_len)
-        assert key is not None and key in self._graphs, f"no graph holds {n} requests"
-        size = key[0]
+        size = self.padded_size(n)
+        assert size is not None and size in self._graphs, f"no graph holds {n} requests"
         write_decode_inputs(
             (
                 input_ids[:n],
@@ -251,11 +190,9 @@ class DecodeCudaGraphs:
             size,
             feed,
         )
-        captured = self._graphs[key]
-        captured.graph.replay()
+        self._graphs[size].graph.replay()
         self.num_replays += 1
-        self.replays[key] += 1
-        return captured.output[:n]
+        return self._graphs[size].output[:n]
 
 
 # ---- piecewise graphs -------------------------------------------------------------------------

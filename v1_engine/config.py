@@ -242,15 +242,6 @@ class CompilationConfig:
     """Capture piecewise CUDA graphs (level >= 1 on CUDA) for steps of up to the largest capture
     size in tokens that are not uniform decode steps (prefills, mixed batches): the compiled
     pieces replay as graphs and only attention runs eagerly between them."""
-    decode_context_buckets: list[int] = field(default_factory=lambda: [1024])
-    """Context lengths below max_model_len that decode graphs are also captured for (level 2).
-    A decode graph's attention launch is planned for the longest context it serves: at
-    max_model_len, small batches cut each request's keys into many split-KV pieces merged by a
-    second kernel, which a short context mostly leaves empty. A step whose longest context fits
-    a bucket replays the graph captured for the smallest such bucket; a batch size gets a bucket
-    graph only where the attention backend plans that bucket's launch differently from the next
-    longer graph's (with the Triton backend and 8 KV heads on 132 SMs: batches 1 and 2).
-    Empty: one graph per batch size, planned for max_model_len."""
 
     @classmethod
     def from_value(
@@ -330,15 +321,9 @@ class CompilationConfig:
             raise ValueError(
                 f"max_cudagraph_capture_size must be >= 1, got {self.max_cudagraph_capture_size}"
             )
-        for name in (
-            "cudagraph_capture_sizes",
-            "piecewise_capture_sizes",
-            "decode_context_buckets",
-        ):
+        for name in ("cudagraph_capture_sizes", "piecewise_capture_sizes"):
             sizes = getattr(self, name)
-            if sizes is not None and any(
-                isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes
-            ):
+            if sizes is not None and any(not isinstance(s, int) or s < 1 for s in sizes):
                 raise ValueError(f"{name} must be positive ints, got {sizes!r}")
         unknown = [p for p in self.fusion_passes or () if p not in FUSION_PASSES]
         if unknown:

@@ -8,8 +8,6 @@ under the Triton interpreter (TRITON_INTERPRET=1), which is how CI checks the ke
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from v1_engine.attention.backend import AttentionMetadata
@@ -32,37 +30,6 @@ class TritonAttentionBackend:
         from v1_engine.kernels.triton_attention import paged_attention
 
         self._paged_attention = paged_attention
-
-    def decode_launch_key(
-        self, attention_layers: list, dtype: torch.dtype, device: torch.device
-    ) -> Callable[[int, int], object] | None:
-        """What a decode graph's launches depend on, as a function of (batch size, longest
-        context): each layer shape's split-KV plan (`plan_launch` for one query token a
-        request). None where the factor is pinned or a layer is not standard attention (MLA):
-        then the graphs cannot tell contexts apart. Decode graphs use it to keep a short-context
-        graph only where its launches differ (compile/cuda_graphs.py)."""
-        from v1_engine.kernels.attention_launch import plan_launch, target_programs
-
-        shapes = set()
-        for layer in attention_layers:
-            if not all(hasattr(layer, a) for a in ("num_heads", "num_kv_heads", "head_size")):
-                return None
-            shapes.add((layer.num_heads, layer.num_kv_heads, layer.head_size))
-        if self.num_splits is not None or not shapes:
-            return None
-        programs = target_programs(device)
-
-        def key(num_reqs: int, max_seq_len: int) -> object:
-            plans = []
-            for heads, kv_heads, head_size in sorted(shapes):
-                group_pad = 1 << (heads // kv_heads - 1).bit_length()
-                head_pad = max(16, 1 << (head_size - 1).bit_length())
-                plan = plan_launch(dtype, num_reqs, num_reqs, kv_heads, group_pad, head_pad, 1,
-                                   max_seq_len, programs)  # fmt: skip
-                plans.append((plan.tile, plan.num_splits, plan.fused_merge))
-            return tuple(plans)
-
-        return key
 
     def forward(
         self,

@@ -198,23 +198,6 @@ class ModelRunner:
         piecewise graph), ascending; empty when graphs are off."""
         return sorted(set(self._decode_graph_sizes) | set(self._piecewise_graph_sizes))
 
-    def _decode_launch_key(self) -> Callable[[int, int], object] | None:
-        """The attention backend's decode launch key (see DecodeCudaGraphs), if it has one."""
-        key = getattr(self.attn_backend, "decode_launch_key", None)
-        if key is None:
-            return None
-        return key(self.model.attention_layers(), self.dtype, self.device)
-
-    def _context_graph_rows(self) -> int:
-        """Output rows of the short-context decode graphs (those beyond one graph a size)."""
-        from compile.cuda_graphs import context_graph_lens
-
-        buckets = self.config.compilation_config.decode_context_buckets or ()
-        lens = context_graph_lens(
-            self._decode_graph_sizes, buckets, self.max_model_len, self._decode_launch_key()
-        )
-        return sum(size * (len(v) - 1) for size, v in lens.items())
-
     def _cudagraph_reserve_bytes(self) -> int:
         """Memory the graphs' shared pool will take, measured before the KV pool exists: the peak
         activations of the largest captured batch (the pool holds about one such forward, as
@@ -239,8 +222,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         hidden = self.hf_config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
-        # Each decode graph keeps its output rows; piecewise graphs' outputs are not owned.
-        outputs = (sum(sizes) + self._context_graph_rows()) * hidden
+        outputs = sum(sizes) * hidden
         torch.cuda.empty_cache()
         return peak + outputs
 
@@ -304,12 +286,7 @@ class ModelRunner:
         return {
             "model": self.hf_config.to_dict(),
             "dtype": str(self.dtype),
-            # Which decode graphs are captured changes no compiled code: kept out of the key.
-            "compilation": {
-                k: v
-                for k, v in dataclasses.asdict(self.config.compilation_config).items()
-                if k != "decode_context_buckets"
-            },
+            "compilation": dataclasses.asdict(self.config.compilation_config),
             "fusion_passes": self.config.compilation_config.effective_fusion_passes(
                 self.device.type
             ),
@@ -339,8 +316,6 @@ class ModelRunner:
                 max_seq_len=self.max_model_len,
                 device=self.device,
                 pool=pool,
-                context_buckets=self.config.compilation_config.decode_context_buckets or (),
-                launch_key=self._decode_launch_key(),
             )
             decode.capture(self.attn_backend, layers)
             self._decode_graphs = decode
