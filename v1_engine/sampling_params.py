@@ -6,9 +6,14 @@ place user-supplied values are checked; every error names the field and the allo
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 _SAMPLING_EPS = 1e-5
+
+MAX_LOGIT_BIAS = 100.0
+"""logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], OpenAI's range."""
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -40,6 +45,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     prompt_logprobs: int | None = None
     """Number of top log-probabilities returned per prompt token."""
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit before sampling, greedy rows included (OpenAI's
+    `logit_bias`): -100 in effect bans a token, 100 in effect forces it. Logprobs stay those of
+    the unbiased logits."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids can be sampled (every other logit is -inf before sampling)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,3 +94,48 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError("stop must not contain empty strings")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        self._verify_token_lists()
+
+    def _verify_token_lists(self) -> None:
+        """Types and value ranges of the token-id fields; InputProcessor checks the ids against
+        the vocabulary, which it knows."""
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            if ids is not None and not all(_is_token_id(t) for t in ids):
+                raise ValueError(f"{name} must be a list of token ids (integers >= 0), got {ids!r}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty (no token could be sampled)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(
+                    f"logit_bias must be a dict of token id -> bias, got "
+                    f"{type(self.logit_bias).__name__}"
+                )
+            for token_id, bias in self.logit_bias.items():
+                if not _is_token_id(token_id):
+                    raise ValueError(
+                        f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}"
+                    )
+                if (
+                    isinstance(bias, bool)
+                    or not isinstance(bias, int | float)
+                    or not math.isfinite(bias)
+                    or abs(bias) > MAX_LOGIT_BIAS
+                ):
+                    raise ValueError(
+                        f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                        f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {token_id}"
+                    )
+
+    def token_id_fields(self) -> dict[str, list[int]]:
+        """Every token id the request names, by field, for the vocabulary check."""
+        fields = {
+            "stop_token_ids": self.stop_token_ids,
+            "logit_bias": list(self.logit_bias) if self.logit_bias else None,
+            "allowed_token_ids": self.allowed_token_ids,
+        }
+        return {name: ids for name, ids in fields.items() if ids}
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -195,11 +195,29 @@ def test_invalid_request_fails_alone(engine):
             await collect(engine, [1] * 600, GREEDY, "too-long")
         with pytest.raises(ValueError, match="prompt"):
             await collect(engine, "", GREEDY, "empty")
+        bad_stop = SamplingParams(stop_token_ids=[10**7], min_tokens=2)
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            await collect(engine, "Hello", bad_stop, "stop-id-past-vocab")
         return await good
 
     _text, token_ids, outputs = asyncio.run(run())
     assert outputs[-1].finished and len(token_ids) > 0
     assert engine.is_healthy()
+
+
+def test_logit_bias_crosses_to_the_core_process(engine):
+    """logit_bias (int keys) and allowed_token_ids survive the msgspec trip to the core."""
+    forced = SamplingParams(temperature=0.0, max_tokens=4, logit_bias={1167: 100.0})
+    allowed = SamplingParams(temperature=1.0, max_tokens=6, seed=1, allowed_token_ids=[504, 3458])
+
+    async def run():
+        return await asyncio.gather(
+            collect(engine, "Hello", forced, "bias"), collect(engine, "Hi", allowed, "allowed")
+        )
+
+    (_, forced_ids, _), (_, allowed_ids, _) = asyncio.run(run())
+    assert forced_ids == [1167] * 4
+    assert len(allowed_ids) == 6 and set(allowed_ids) <= {504, 3458}
 
 
 def test_duplicate_request_id_is_rejected(engine):

@@ -209,6 +209,28 @@ def test_stop_strings_and_token_ids(llm):
     assert by_id.outputs[0].stop_reason == first_token
 
 
+def test_logit_bias_and_allowed_token_ids(llm, prompt_ids, reference):
+    """Biases steer the real model's greedy output; the unbiased rows of the same batch keep
+    the transformers tokens; allowed_token_ids confines random sampling."""
+    tok = llm.get_tokenizer()
+    forced = tok.encode(" banana", add_special_tokens=False)[0]
+    first = reference[0][0]
+    params = [
+        _greedy(max_tokens=5, logit_bias={forced: 100.0}),
+        _greedy(max_tokens=5, logit_bias={first: -100.0}),
+        _greedy(),
+    ]
+    out = llm.generate([prompt_ids[0]] * 3, params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == [forced] * 5
+    assert out[1].outputs[0].token_ids[0] != first
+    assert out[2].outputs[0].token_ids == reference[0]
+    allowed = sorted({forced, first, tok.encode(" the", add_special_tokens=False)[0]})
+    sampled = SamplingParams(temperature=1.5, max_tokens=12, seed=3, allowed_token_ids=allowed)
+    (restricted,) = llm.generate([prompt_ids[1]], sampled, use_tqdm=False)
+    assert len(restricted.outputs[0].token_ids) == 12
+    assert set(restricted.outputs[0].token_ids) <= set(allowed)
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
@@ -216,6 +238,12 @@ def test_stop_strings_and_token_ids(llm):
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
+        # Token ids past the vocabulary: once an IndexError in the sampler that killed the
+        # engine (min_tokens suppresses the stop ids on the device).
+        ({"stop_token_ids": [10**7], "min_tokens": 2}, "stop_token_ids"),
+        ({"logit_bias": {10**7: 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": [1, 10**7]}, "allowed_token_ids"),
+        ({"logit_bias": {5: 250.0}}, "logit_bias"),
     ],
 )
 def test_bad_sampling_params_rejected_alone(llm, kwargs, field):

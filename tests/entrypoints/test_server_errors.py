@@ -46,11 +46,25 @@ def test_malformed_json(server, auth_headers):
         ({"prompt": PROMPT, "temperature": -1.0}, "temperature"),
         ({"prompt": PROMPT, "top_p": 1.5}, "top_p"),
         ({"max_tokens": 4}, "prompt"),
+        ({"prompt": PROMPT, "logit_bias": {"abc": 1}}, "logit_bias.abc"),
+        ({"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"prompt": PROMPT, "logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"prompt": PROMPT, "allowed_token_ids": []}, "allowed_token_ids"),
+        ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
+        # Past the vocabulary: once an engine-killing IndexError in the sampler.
+        ({"prompt": PROMPT, "stop_token_ids": [99999999], "min_tokens": 2}, "stop_token_ids"),
+        (
+            {"prompt": PROMPT, "stream": True, "stop_token_ids": [99999999], "min_tokens": 2},
+            "stop_token_ids",
+        ),
     ],
 )
 def test_invalid_completion_fields(server, auth_headers, body, param):
     error = assert_error(post(server, "/v1/completions", auth_headers, json=body), 400, param)
     assert param in error["message"]
+    # The engine took no harm: the next request is served.
+    good = post(server, "/v1/completions", auth_headers, json={"prompt": PROMPT, "max_tokens": 2})
+    assert good.status_code == 200, good.text
 
 
 def test_invalid_chat_fields(server, auth_headers):

@@ -206,6 +206,41 @@ def test_sampling_extras_are_accepted(client, model_name):
     assert result.usage.completion_tokens == 8
 
 
+def test_logit_bias_and_allowed_token_ids(server, client, model_name, auth_headers):
+    """OpenAI's logit_bias (string keys) forces or bans tokens, in completions and chat;
+    vLLM's allowed_token_ids confines sampling."""
+
+    def token_ids(text: str) -> list[int]:
+        body = {"prompt": text, "add_special_tokens": False}
+        response = httpx.post(f"{server.url}/tokenize", json=body, headers=auth_headers)
+        return response.json()["tokens"]
+
+    (banana,) = token_ids(" banana")
+    forced = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=3, logprobs=0, logit_bias={str(banana): 100},
+        **GREEDY_FIXED,
+    )  # fmt: skip
+    assert forced.choices[0].logprobs.tokens == [" banana"] * 3
+    free = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=1, **GREEDY_FIXED)
+    (first,) = token_ids(free.choices[0].text)
+    banned = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=1, logit_bias={str(first): -100},
+        **GREEDY_FIXED,
+    )  # fmt: skip
+    assert banned.choices[0].text != free.choices[0].text
+    chat = client.chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=2, logit_bias={str(banana): 100},
+        **GREEDY_FIXED,
+    )  # fmt: skip
+    assert chat.choices[0].message.content == " banana banana"
+    allowed = token_ids(" red green blue")
+    confined = client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5, logprobs=0,
+        extra_body={"allowed_token_ids": allowed},
+    )  # fmt: skip
+    assert set(confined.choices[0].logprobs.tokens) <= {" red", " green", " blue"}
+
+
 def test_request_id_header_is_used(server, auth_headers):
     body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
     headers = {**auth_headers, "X-Request-Id": "my-request-42"}

@@ -111,6 +111,12 @@ class InputProcessor:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        for name, ids in params.token_id_fields().items():
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} must name token ids in [0, {self.vocab_size}), got {bad[:5]}"
+                )
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -53,6 +53,10 @@ class SamplingFields(StrictModel):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    """Token id -> bias in [-100, 100] added to its logit (JSON keys are strings of digits,
+    OpenAI's form; pydantic parses them, and names the field when one is not an integer)."""
+    allowed_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -82,6 +86,8 @@ class SamplingFields(StrictModel):
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
         )
         return kwargs
 

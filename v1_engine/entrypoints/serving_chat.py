@@ -64,7 +64,7 @@ class ChatUsage:
 
 class OpenAIServingChat(OpenAIServing):
     async def create(self, body: ChatCompletionRequest, request: Request, request_id: str):
-        self.check_model(body.model)
+        self.check_request(body)
         token_ids, params = self._prepare(body)
         response_id = f"chatcmpl-{request_id}"
         if body.stream:

@@ -78,7 +78,7 @@ class UsageCounter:
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create(self, body: CompletionRequest, request: Request, request_id: str):
-        self.check_model(body.model)
+        self.check_request(body)
         prompts = self._prepare(body)
         response_id = f"cmpl-{request_id}"
         if body.stream:

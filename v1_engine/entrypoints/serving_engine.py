@@ -39,6 +39,8 @@ SAMPLING_FIELDS = {
     "min_tokens",
     "stop",
     "stop_token_ids",
+    "logit_bias",
+    "allowed_token_ids",
     "logprobs",
     "prompt_logprobs",
     "top_logprobs",
@@ -56,6 +58,15 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.tokenizer = engine.get_tokenizer()
+
+    def check_request(self, body: Any) -> None:
+        """What every generation request must get right before its prompt is looked at: the
+        model name, and stream_options only with stream (OpenAI's rule)."""
+        self.check_model(body.model)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(
+                "stream_options is only allowed when stream is true", param="stream_options"
+            )
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:

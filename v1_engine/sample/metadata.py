@@ -45,10 +45,26 @@ class SamplingMetadata:
     min_tokens_suppressed: dict[int, set[int]] = field(default_factory=dict)
     """Row -> token ids that must not be sampled yet (EOS and stop_token_ids, before
     min_tokens outputs)."""
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """(rows, token ids, biases): [B] int64, [B] int64, [B] float32, one entry per (row, token)
+    of the rows' `logit_bias`; None when no row has one."""
+    allowed_token_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows [R] int64, banned [R, V] bool): the rows with `allowed_token_ids` and, for each,
+    True on every token it may not sample; None when no row restricts its tokens."""
 
     @property
     def num_rows(self) -> int:
         return self.temperature.shape[0]
+
+    @property
+    def no_logit_edits(self) -> bool:
+        """No row's logits change before sampling except by temperature / top-k / top-p / min-p."""
+        return (
+            not self.min_tokens_suppressed
+            and self.no_penalties
+            and self.logit_bias is None
+            and self.allowed_token_mask is None
+        )
 
     @property
     def no_penalties(self) -> bool:
@@ -115,6 +131,8 @@ class SamplingMetadata:
             # Not copied: only read during this step, and copying grows with the output.
             output_token_ids=list(output_token_ids),
             min_tokens_suppressed=_min_tokens_suppressed(params, output_token_ids, eos_token_ids),
+            logit_bias=_logit_bias(params, device),
+            allowed_token_mask=_allowed_token_mask(params, vocab_size, device),
         )
 
 
@@ -146,6 +164,40 @@ def _optional(
     if all(abs(v - neutral) < _SAMPLING_EPS for v in values):
         return None
     return _tensor(values, dtype, device)
+
+
+def _logit_bias(
+    params: Sequence[SamplingParams], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for row, p in enumerate(params):
+        if p.logit_bias:
+            rows += [row] * len(p.logit_bias)
+            token_ids += p.logit_bias.keys()
+            biases += p.logit_bias.values()
+    if not rows:
+        return None
+    return (
+        _tensor(rows, torch.int64, device),
+        _tensor(token_ids, torch.int64, device),
+        _tensor(biases, torch.float32, device),
+    )
+
+
+def _allowed_token_mask(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows = [row for row, p in enumerate(params) if p.allowed_token_ids]
+    if not rows:
+        return None
+    banned = torch.ones((len(rows), vocab_size), dtype=torch.bool)
+    for i, row in enumerate(rows):
+        allowed = params[row].allowed_token_ids
+        assert allowed is not None
+        banned[i, torch.as_tensor(allowed, dtype=torch.int64)] = False
+    return _tensor(rows, torch.int64, device), banned.to(device, non_blocking=True)
 
 
 def _min_tokens_suppressed(

@@ -1,4 +1,5 @@
-"""Logit penalties and min_tokens suppression, applied to the whole batch at once.
+"""Logit edits before sampling, applied to the whole batch at once: penalties, min_tokens
+suppression, logit_bias and allowed_token_ids.
 
 Repetition penalty (the CTRL-paper form that transformers uses) divides positive logits and
 multiplies negative ones for every token seen in the prompt or the output, so it always makes a
@@ -25,6 +26,27 @@ def apply_min_tokens(logits: torch.Tensor, suppressed: dict[int, set[int]]) -> t
     # host scalar to the device with a blocking copy, a host sync in every min_tokens step.
     logits.index_put_((index[:, 0], index[:, 1]), logits.new_full((), float("-inf")))
     return logits
+
+
+def apply_allowed_token_mask(
+    logits: torch.Tensor, allowed: tuple[torch.Tensor, torch.Tensor] | None
+) -> torch.Tensor:
+    """-inf on every token a row with allowed_token_ids may not sample (in place)."""
+    if allowed is None:
+        return logits
+    rows, banned = allowed
+    restricted = logits.index_select(0, rows).masked_fill_(banned, float("-inf"))
+    return logits.index_copy_(0, rows, restricted)
+
+
+def apply_logit_bias(
+    logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+) -> torch.Tensor:
+    """Add each row's logit_bias to its tokens' logits (in place)."""
+    if bias is None:
+        return logits
+    rows, token_ids, values = bias
+    return logits.index_put_((rows, token_ids), values, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

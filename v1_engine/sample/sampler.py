@@ -2,7 +2,7 @@
 
 Order of operations:
   1. logprobs (if any row asks) from the raw logits;
-  2. min_tokens suppression, then penalties;
+  2. allowed_token_ids, min_tokens suppression, logit_bias, then penalties;
   3. greedy rows: argmax of those logits (no temperature, so greedy output equals the
      reference implementation's greedy output bit for bit);
   4. random rows: temperature, top-k, top-p, min-p, then `argmax(probs / q)` with
@@ -18,7 +18,12 @@ import torch
 
 from v1_engine.sample.logprobs import LogprobsTensors, gather_logprobs
 from v1_engine.sample.metadata import SamplingMetadata
-from v1_engine.sample.penalties import apply_min_tokens, apply_penalties
+from v1_engine.sample.penalties import (
+    apply_allowed_token_mask,
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+)
 from v1_engine.sample.topk_topp import apply_min_p, apply_top_k_top_p
 
 # Keeps q away from 0 so a zero-probability token never wins through 0 / 0.
@@ -79,11 +84,14 @@ class Sampler:
 
     @staticmethod
     def _apply_constraints(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """min_tokens and penalties, on a float32 copy so the caller's logits stay raw."""
-        if not metadata.min_tokens_suppressed and metadata.no_penalties:
+        """allowed_token_ids, min_tokens, logit_bias and penalties, on a float32 copy so the
+        caller's logits stay raw."""
+        if metadata.no_logit_edits:
             return logits
         logits = logits.to(torch.float32, copy=True)
+        apply_allowed_token_mask(logits, metadata.allowed_token_mask)
         apply_min_tokens(logits, metadata.min_tokens_suppressed)
+        apply_logit_bias(logits, metadata.logit_bias)
         return apply_penalties(logits, metadata)
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
