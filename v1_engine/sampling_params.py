@@ -64,8 +64,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         """Raise ValueError naming the offending field and its allowed range."""
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

@@ -34,6 +34,19 @@ def test_malformed_json(server, auth_headers):
     assert "JSON" in error["message"]
 
 
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity"])
+def test_non_finite_temperature(server, auth_headers, value):
+    """Python's JSON parser takes NaN / Infinity; the request is still a 400 naming the field."""
+    response = post(
+        server,
+        "/v1/completions",
+        {**auth_headers, "Content-Type": "application/json"},
+        content=b'{"prompt": "hi", "max_tokens": 2, "temperature": ' + value + b"}",
+    )
+    error = assert_error(response, 400, "temperature")
+    assert "finite" in error["message"]
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
