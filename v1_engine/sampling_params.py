@@ -11,6 +11,7 @@ import math
 import msgspec
 
 _SAMPLING_EPS = 1e-5
+_INT64_LIMIT = 2**63
 
 MAX_LOGIT_BIAS = 100.0
 """logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], OpenAI's range."""
@@ -64,6 +65,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         """Raise ValueError naming the offending field and its allowed range."""
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and abs(value) >= _INT64_LIMIT:
+                # msgpack (the engine core's link) carries 64-bit integers only.
+                raise ValueError(f"{name} must be below 2**63, got {value}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

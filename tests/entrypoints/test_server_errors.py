@@ -63,6 +63,7 @@ def test_non_finite_temperature(server, auth_headers, value):
         ({"prompt": PROMPT, "logit_bias": {"5": 101}}, "logit_bias"),
         ({"prompt": PROMPT, "logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"prompt": PROMPT, "allowed_token_ids": []}, "allowed_token_ids"),
+        ({"prompt": PROMPT, "top_k": 10**30}, "top_k"),
         ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
         # Past the vocabulary: once an engine-killing IndexError in the sampler.
         ({"prompt": PROMPT, "stop_token_ids": [99999999], "min_tokens": 2}, "stop_token_ids"),

@@ -31,6 +31,9 @@ from v1_engine.sampling_params import SamplingParams
         ({"frequency_penalty": 2.5}, "frequency_penalty must be in [-2, 2]"),
         ({"repetition_penalty": float("nan")}, "repetition_penalty must be in (0, 2]"),
         ({"seed": -1}, "seed must be in [0, 2**63)"),
+        # Past 64 bits msgpack cannot carry them to the engine core (was an OverflowError).
+        ({"top_k": 10**30}, "top_k must be below 2**63"),
+        ({"max_tokens": 2**64}, "max_tokens must be below 2**63"),
     ],
 )
 def test_bad_values_name_the_field(kwargs: dict, message: str) -> None:
