@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from v1_engine.sampling_params import SamplingParams
+from v1_engine.structured_output import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "EngineDeadError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]
 

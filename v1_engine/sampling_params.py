@@ -10,6 +10,8 @@ import math
 
 import msgspec
 
+from v1_engine.structured_output import StructuredOutputsParams
+
 _SAMPLING_EPS = 1e-5
 _INT64_LIMIT = 2**63
 
@@ -52,6 +54,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     the unbiased logits."""
     allowed_token_ids: list[int] | None = None
     """Only these token ids can be sampled (every other logit is -inf before sampling)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, any JSON object, a regex, a choice of strings or
+    an EBNF grammar (v1_engine/structured_output.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -101,6 +106,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         self._verify_token_lists()
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(
+                    "structured_outputs must be a StructuredOutputsParams, got "
+                    f"{type(self.structured_outputs).__name__}"
+                )
+            self.structured_outputs.verify()
 
     def _verify_token_lists(self) -> None:
         """Types and value ranges of the token-id fields; InputProcessor checks the ids against

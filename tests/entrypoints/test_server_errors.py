@@ -106,22 +106,38 @@ def test_response_format_text_is_the_default(client, model_name):
 
 
 @pytest.mark.parametrize(
-    "response_format",
+    ("body", "param", "message"),
     [
-        {"type": "json_object"},
-        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
+            "response_format.json_schema.schema",
+            "is not a JSON schema it supports",
+        ),
+        (
+            {"response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+            "is required",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "'json_schema'"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "one"),
+        ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex", "regular"),
+        ({"guided_regex": "(a"}, "guided_regex", "is not a regular expression"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list"),
+        ({"guided_grammar": "root ::= nothing"}, "guided_grammar", "is not a grammar"),
+        (
+            {"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}},
+            "response_format",
+            "each constrain the output",
+        ),
     ],
 )
-def test_json_response_formats_are_refused_by_name(client, model_name, response_format):
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(
-            model=model_name,
-            messages=[{"role": "user", "content": "hi"}],
-            max_tokens=4,
-            response_format=response_format,
-        )
-    assert info.value.body["param"] == "response_format.type"
-    assert "'text'" in info.value.message
+def test_bad_output_constraints_are_refused_by_name(server, auth_headers, body, param, message):
+    request = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body}
+    response = post(server, "/v1/chat/completions", auth_headers, json=request)
+    error = assert_error(response, 400, param)
+    assert message in error["message"], error
+    good = post(server, "/v1/completions", auth_headers, json={"prompt": PROMPT, "max_tokens": 2})
+    assert good.status_code == 200, good.text
 
 
 def test_prompt_longer_than_context(client, model_name):

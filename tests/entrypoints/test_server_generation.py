@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import httpx
 
 PROMPT = "The capital of France is"
@@ -239,6 +242,69 @@ def test_logit_bias_and_allowed_token_ids(server, client, model_name, auth_heade
         extra_body={"allowed_token_ids": allowed},
     )  # fmt: skip
     assert set(confined.choices[0].logprobs.tokens) <= {" red", " green", " blue"}
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_and_json_object(client, model_name):
+    """OpenAI's response_format, in chat (whole and streamed) and completions."""
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    chat = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=60, response_format=schema_format,
+        **GREEDY_FIXED,
+    )  # fmt: skip
+    person = json.loads(chat.choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+    assert chat.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=60, response_format=schema_format,
+        stream=True, **GREEDY_FIXED,
+    )  # fmt: skip
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == chat.choices[0].message.content
+    ask = [{"role": "user", "content": "Give a JSON object with a name and an age."}]
+    any_object = client.chat.completions.create(
+        model=model_name, messages=ask, max_tokens=60, response_format={"type": "json_object"},
+        **GREEDY_FIXED,
+    )  # fmt: skip
+    assert any_object.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(any_object.choices[0].message.content), dict)
+    completion = client.completions.create(
+        model=model_name, prompt="A person as JSON:", max_tokens=60,
+        extra_body={"response_format": schema_format}, **GREEDY_FIXED,
+    )  # fmt: skip
+    assert set(json.loads(completion.choices[0].text)) == {"name", "age"}
+
+
+def test_structured_outputs_extras(client, model_name):
+    """vLLM's structured_outputs (regex / choice / grammar) and the older guided_* names."""
+    regex = client.completions.create(
+        model=model_name, prompt="A phone number:", max_tokens=20,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}}, **GREEDY_FIXED,
+    )  # fmt: skip
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", regex.choices[0].text)
+    for extra in ({"structured_outputs": {"choice": ["Paris", "Rome"]}},
+                  {"guided_choice": ["Paris", "Rome"]}):  # fmt: skip
+        choice = client.completions.create(
+            model=model_name, prompt=PROMPT, max_tokens=5, extra_body=extra, n=2,
+            temperature=1.0,
+        )  # fmt: skip
+        assert {c.text for c in choice.choices} <= {"Paris", "Rome"}
+    grammar = client.chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=5, **GREEDY_FIXED,
+        extra_body={"guided_grammar": 'root ::= "yes" | "no"'},
+    )  # fmt: skip
+    assert grammar.choices[0].message.content in ("yes", "no")
 
 
 def test_request_id_header_is_used(server, auth_headers):

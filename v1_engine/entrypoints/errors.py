@@ -66,14 +66,15 @@ def sse_error(error: APIError) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-_LEADING_FIELD = re.compile(r"^([a-z_]+) ")
+_LEADING_FIELD = re.compile(r"^([a-z_]+)((?:\.[a-z_]+)*) ")
 
 
 def from_value_error(error: ValueError, known_fields: set[str]) -> APIError:
-    """A ValueError from SamplingParams.verify() or the engine names its field first; keep it."""
+    """A ValueError from SamplingParams.verify() or the engine names its field first (a field
+    of the request, or a path into one: `response_format.json_schema.schema`); keep it."""
     message = str(error)
     match = _LEADING_FIELD.match(message)
-    param = match.group(1) if match and match.group(1) in known_fields else None
+    param = match.group(1) + match.group(2) if match and match.group(1) in known_fields else None
     return APIError(message, HTTPStatus.BAD_REQUEST, param=param)
 
 

@@ -7,6 +7,8 @@ the sampling ranges are checked once, by SamplingParams.verify(), after conversi
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -14,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from v1_engine.sampling_params import SamplingParams
+from v1_engine.structured_output import StructuredOutputsParams
 
 MAX_N = 128
 """Most completions one request may ask for."""
@@ -32,6 +35,34 @@ class StreamOptions(StrictModel):
     """Send one last chunk with the request's token usage (and empty choices)."""
     continuous_usage_stats: bool = False
     """Attach the running usage to every chunk."""
+
+
+class JsonSchemaFormat(StrictModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(True, alias="schema")
+    """The JSON schema (OpenAI's `schema`; true or absent: any JSON value)."""
+    strict: bool | None = None
+    """Accepted; the schema is always enforced."""
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's output format: "text" (no constraint, the default), "json_object" (any JSON
+    object) or "json_schema" (JSON valid under `json_schema.schema`), enforced through
+    structured outputs (v1_engine/structured_output.py)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(StrictModel):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class SamplingFields(StrictModel):
@@ -57,6 +88,13 @@ class SamplingFields(StrictModel):
     """Token id -> bias in [-100, 100] added to its logit (JSON keys are strings of digits,
     OpenAI's form; pydantic parses them, and names the field when one is not an integer)."""
     allowed_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    """vLLM's older names for structured_outputs' json / regex / choice / grammar."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -88,8 +126,60 @@ class SamplingFields(StrictModel):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
+            structured_outputs=self.structured_outputs_params(),
         )
         return kwargs
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request asks for, checked (ValueError naming the
+        request's field: a bad schema, regex or grammar, or two constraints at once)."""
+        sources: list[tuple[str, StructuredOutputsParams]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            sources.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise ValueError('response_format.json_schema is required for type "json_schema"')
+            schema = json.dumps(fmt.json_schema.schema_)
+            sources.append(
+                ("response_format.json_schema.schema", StructuredOutputsParams(json=schema))
+            )
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            json_spec = (
+                so.json_ if so.json_ is None or isinstance(so.json_, str) else json.dumps(so.json_)
+            )
+            params = StructuredOutputsParams(
+                json=json_spec, json_object=bool(so.json_object), regex=so.regex,
+                choice=so.choice, grammar=so.grammar,
+            )  # fmt: skip
+            sources.append(("structured_outputs", params))
+        guided = self.guided_json
+        if guided is not None:
+            spec = guided if isinstance(guided, str) else json.dumps(guided)
+            sources.append(("guided_json", StructuredOutputsParams(json=spec)))
+        if self.guided_regex is not None:
+            sources.append(("guided_regex", StructuredOutputsParams(regex=self.guided_regex)))
+        if self.guided_choice is not None:
+            sources.append(("guided_choice", StructuredOutputsParams(choice=self.guided_choice)))
+        if self.guided_grammar is not None:
+            sources.append(("guided_grammar", StructuredOutputsParams(grammar=self.guided_grammar)))
+        if not sources:
+            return None
+        if len(sources) > 1:
+            names = " and ".join(name for name, _ in sources)
+            raise ValueError(
+                f"{sources[0][0]} conflicts: {names} each constrain the output; set one"
+            )
+        name, params = sources[0]
+        try:
+            params.verify()
+        except ValueError as e:
+            message = str(e)
+            if name != "structured_outputs":
+                message = re.sub(r"^structured_outputs(\.[a-z_]+)?", name, message)
+            raise ValueError(message) from None
+        return params
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -138,18 +228,8 @@ class ChatMessage(StrictModel):
         return {"role": role, "content": content or ""}
 
 
-class ResponseFormat(StrictModel):
-    """Only {"type": "text"}, OpenAI's default (no constraint on the output), which some
-    clients send on every request. The JSON modes ("json_object", "json_schema") need
-    structured outputs, which the engine does not have: they are a 400 naming the field and
-    the one allowed value."""
-
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    response_format: ResponseFormat | None = None
     max_tokens: int | None = Field(None, ge=1)
     """Deprecated by OpenAI in favour of max_completion_tokens; both are accepted."""
     max_completion_tokens: int | None = Field(None, ge=1)

@@ -84,7 +84,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(
             len(token_ids), body.requested_max_tokens(), field_name
         )
-        params = body.to_sampling_params(max_tokens)
+        params = self.sampling_params(body, max_tokens)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         self.validate(token_ids, params)

@@ -99,7 +99,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for raw in raw_prompts:
             token_ids = self.tokenize_prompt(raw)
             max_tokens = self.resolve_max_tokens(len(token_ids), body.max_tokens, "max_tokens")
-            params = body.to_sampling_params(max_tokens)
+            params = self.sampling_params(body, max_tokens)
             self.validate(token_ids, params)
             text = raw if isinstance(raw, str) else self.tokenizer.decode(token_ids)
             prepared.append(PreparedPrompt(token_ids, text, params))

@@ -41,6 +41,12 @@ SAMPLING_FIELDS = {
     "stop_token_ids",
     "logit_bias",
     "allowed_token_ids",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
     "logprobs",
     "prompt_logprobs",
     "top_logprobs",
@@ -130,6 +136,14 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         return requested
+
+    def sampling_params(self, body: Any, max_tokens: int) -> SamplingParams:
+        """The request's SamplingParams; a field that cannot convert (a bad JSON schema, two
+        output constraints) is a 400 naming it."""
+        try:
+            return body.to_sampling_params(max_tokens)
+        except ValueError as e:
+            raise from_value_error(e, SAMPLING_FIELDS) from None
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Run the engine's own request checks now, so a bad request is a 400 even when it

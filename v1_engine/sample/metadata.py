@@ -51,6 +51,9 @@ class SamplingMetadata:
     allowed_token_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     """(rows [R] int64, banned [R, V] bool): the rows with `allowed_token_ids` and, for each,
     True on every token it may not sample; None when no row restricts its tokens."""
+    grammar_bitmask: torch.Tensor | None = None
+    """[N, ceil(V / 32)] int32: each row's allowed tokens under its structured-output grammar
+    (all bits set for unconstrained rows); None when no row has a grammar. Set by the runner."""
 
     @property
     def num_rows(self) -> int:
@@ -64,6 +67,7 @@ class SamplingMetadata:
             and self.no_penalties
             and self.logit_bias is None
             and self.allowed_token_mask is None
+            and self.grammar_bitmask is None
         )
 
     @property

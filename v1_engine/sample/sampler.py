@@ -2,7 +2,8 @@
 
 Order of operations:
   1. logprobs (if any row asks) from the raw logits;
-  2. allowed_token_ids, min_tokens suppression, logit_bias, then penalties;
+  2. the structured-output grammar's mask, allowed_token_ids, min_tokens suppression,
+     logit_bias, then penalties;
   3. greedy rows: argmax of those logits (no temperature, so greedy output equals the
      reference implementation's greedy output bit for bit);
   4. random rows: temperature, top-k, top-p, min-p, then `argmax(probs / q)` with
@@ -25,6 +26,7 @@ from v1_engine.sample.penalties import (
     apply_penalties,
 )
 from v1_engine.sample.topk_topp import apply_min_p, apply_top_k_top_p
+from v1_engine.structured_output import apply_token_bitmask
 
 # Keeps q away from 0 so a zero-probability token never wins through 0 / 0.
 _MIN_EXPONENTIAL = torch.finfo(torch.float32).tiny
@@ -84,11 +86,13 @@ class Sampler:
 
     @staticmethod
     def _apply_constraints(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """allowed_token_ids, min_tokens, logit_bias and penalties, on a float32 copy so the
-        caller's logits stay raw."""
+        """The grammar mask, allowed_token_ids, min_tokens, logit_bias and penalties, on a
+        float32 copy so the caller's logits stay raw."""
         if metadata.no_logit_edits:
             return logits
         logits = logits.to(torch.float32, copy=True)
+        if metadata.grammar_bitmask is not None:
+            apply_token_bitmask(logits, metadata.grammar_bitmask)
         apply_allowed_token_mask(logits, metadata.allowed_token_mask)
         apply_min_tokens(logits, metadata.min_tokens_suppressed)
         apply_logit_bias(logits, metadata.logit_bias)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from v1_engine.sampling_params import SamplingParams
+from v1_engine.structured_output import RequestGrammar
 
 
 @dataclass
@@ -24,6 +25,8 @@ class CachedRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     eos_token_id: int | None
+    grammar: RequestGrammar | None = None
+    """The structured-output matcher of a request with `structured_outputs`."""
 
     @property
     def num_tokens(self) -> int:

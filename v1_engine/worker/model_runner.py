@@ -25,6 +25,7 @@ from v1_engine.protocol import LogprobsLists
 from v1_engine.sample.logprobs import compute_prompt_logprobs
 from v1_engine.sample.metadata import SamplingMetadata
 from v1_engine.sample.sampler import Sampler
+from v1_engine.structured_output import GrammarCompilerService, RequestGrammar, allocate_bitmask
 from v1_engine.worker.host_staging import HostStaging
 from v1_engine.worker.input_batch import CachedRequestState, InputBatch
 from v1_engine.worker.kv_sizing import (
@@ -81,6 +82,8 @@ class ModelRunner:
         """The model forward as steps call it: the model itself, or its compiled form."""
         self.attn_backend = get_attn_backend(device, config.cache_config.attention_backend)
         self.sampler = Sampler()
+        self._grammar_compiler: GrammarCompilerService | None = None
+        """Compiles structured-output specs; made at the first request that has one."""
         self.input_batch = InputBatch(
             config.scheduler_config.max_num_seqs, self.max_model_len, self.block_size
         )
@@ -347,6 +350,7 @@ class ModelRunner:
                 sampling_params=params,
                 generator=generator,
                 eos_token_id=new.eos_token_id,
+                grammar=self._request_grammar(params, new.eos_token_id),
             )
             batch.add_request(state, new.block_ids, new.num_computed_tokens)
         for cached in so.scheduled_cached_reqs:
@@ -442,9 +446,30 @@ class ModelRunner:
         ):
             self.input_batch.set_token(req_id, position, token_id)
 
+    def _request_grammar(self, params, eos_token_id: int | None) -> RequestGrammar | None:
+        """A new request's matcher; its grammar compiles on a worker thread meanwhile."""
+        if params.structured_outputs is None:
+            return None
+        if self._grammar_compiler is None:
+            tokenizer = self.config.model_config.tokenizer or self.config.model_config.model
+            self._grammar_compiler = GrammarCompilerService(tokenizer, self.vocab_size)
+        compiled = self._grammar_compiler.submit(params.structured_outputs)
+        return RequestGrammar(compiled, eos_token_id)
+
+    def _grammar_bitmask(self, states: list[CachedRequestState]) -> torch.Tensor | None:
+        """The rows' allowed tokens ([N, ceil(V / 32)] int32 on the device) when any row is
+        constrained; their newest tokens are on the host by now (_resolve_pending)."""
+        if all(s.grammar is None for s in states):
+            return None
+        bitmask = allocate_bitmask(len(states), self.vocab_size)
+        for row, state in enumerate(states):
+            if state.grammar is not None:
+                state.grammar.fill_bitmask(state.output_token_ids, bitmask, row)
+        return bitmask.to(self.device, non_blocking=True)
+
     def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
         states = [self.input_batch.states[r] for r in req_ids]
-        return SamplingMetadata.build(
+        metadata = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             prompt_token_ids=[s.prompt_token_ids for s in states],
             output_token_ids=[s.output_token_ids for s in states],
@@ -453,6 +478,8 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
+        metadata.grammar_bitmask = self._grammar_bitmask(states)
+        return metadata
 
     def _prompt_logprobs(
         self, req_ids: list[str], rows: np.ndarray, cu: np.ndarray, hidden: torch.Tensor

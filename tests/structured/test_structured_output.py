@@ -1,0 +1,253 @@
+"""Structured outputs: the spec checks, the bitmask against xgrammar's own, a matcher across
+steps, and the default model constrained end to end (offline and through the core process)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from concurrent.futures import Future
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from v1_engine import LLM, SamplingParams
+from v1_engine.sample.metadata import SamplingMetadata
+from v1_engine.sample.sampler import Sampler
+from v1_engine.structured_output import (
+    BITS,
+    GrammarCompilerService,
+    RequestGrammar,
+    StructuredOutputsParams,
+    allocate_bitmask,
+    apply_token_bitmask,
+)
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"enum": ["Paris", "London", "Rome"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
+# ---- the spec ----------------------------------------------------------------------------
+
+
+def test_spec_takes_exactly_one_constraint() -> None:
+    assert StructuredOutputsParams(json=PERSON).spec() == ("json", json.dumps(PERSON))
+    assert StructuredOutputsParams(json_object=True).spec() == ("json_object", "")
+    assert StructuredOutputsParams(regex="a+").spec() == ("regex", "a+")
+    kind, text = StructuredOutputsParams(choice=["yes", 'say "no"']).spec()
+    assert kind == "grammar" and text == 'root ::= "yes" | "say \\"no\\""'
+    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, choice"):
+        StructuredOutputsParams().spec()
+    with pytest.raises(ValueError, match=r"got \['choice', 'regex'\]"):
+        StructuredOutputsParams(regex="a", choice=["b"]).spec()
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
+        ({"json": {"type": "objekt"}}, "structured_outputs.json is not a JSON schema it supports"),
+        ({"regex": "(ab"}, "structured_outputs.regex is not a regular expression"),
+        ({"grammar": "root ::= missing"}, "structured_outputs.grammar is not a grammar"),
+        ({"grammar": ""}, "structured_outputs.grammar must be a non-empty string"),
+        ({"choice": []}, "structured_outputs.choice must be a non-empty list"),
+        ({"choice": ["a", ""]}, "structured_outputs.choice must be a non-empty list"),
+    ],
+)
+def test_bad_specs_name_their_field(params: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(structured_outputs=StructuredOutputsParams(**params)).verify()
+
+
+# ---- the bitmask -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [32, 70, 1000])
+def test_bitmask_matches_xgrammars_own_apply(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    bitmask = torch.randint(-(2**31), 2**31, (3, -(-vocab // BITS)), generator=gen)
+    bitmask = bitmask.to(torch.int32)
+    logits = torch.randn(3, vocab, generator=gen)
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, bitmask)
+    assert torch.equal(apply_token_bitmask(logits.clone(), bitmask), expected)
+    assert torch.equal(apply_token_bitmask(logits.clone(), allocate_bitmask(3, vocab)), logits)
+
+
+def test_a_grammar_that_fails_to_compile_allows_only_eos() -> None:
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("boom"))
+    for eos in (0, 31, 63, 95):  # bit 31 is the int32 sign bit
+        grammar = RequestGrammar(failed, eos_token_id=eos)
+        bitmask = allocate_bitmask(2, 100)
+        grammar.fill_bitmask([], bitmask, 1)
+        logits = apply_token_bitmask(torch.zeros(2, 100), bitmask)
+        assert torch.isfinite(logits[0]).all()
+        assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [eos]
+
+
+@pytest.fixture(scope="module")
+def compiler(default_model_dir) -> GrammarCompilerService:
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(default_model_dir).vocab_size
+    return GrammarCompilerService(default_model_dir, vocab)
+
+
+def test_matcher_follows_the_outputs_it_is_given(compiler, default_tokenizer) -> None:
+    """Tokens accepted lazily, step by step, leave exactly the grammar's continuations."""
+    params = StructuredOutputsParams(choice=[" Paris", " Rome"])
+    future = compiler.submit(params)
+    assert compiler.submit(StructuredOutputsParams(choice=[" Paris", " Rome"])) is future
+    grammar = RequestGrammar(future, default_tokenizer.eos_token_id)
+    vocab = compiler.vocab_size
+    paris = default_tokenizer.encode(" Paris", add_special_tokens=False)
+    rome = default_tokenizer.encode(" Rome", add_special_tokens=False)
+    bitmask = allocate_bitmask(1, vocab)
+    grammar.fill_bitmask([], bitmask, 0)
+    first = torch.isfinite(apply_token_bitmask(torch.zeros(1, vocab), bitmask))[0]
+    assert first[paris[0]] and first[rome[0]]
+    outputs = list(paris)
+    bitmask = allocate_bitmask(1, vocab)
+    grammar.fill_bitmask(outputs, bitmask, 0)
+    assert grammar.num_accepted == len(paris)
+    allowed = torch.isfinite(apply_token_bitmask(torch.zeros(1, vocab), bitmask))[0]
+    assert allowed.nonzero().flatten().tolist() == [default_tokenizer.eos_token_id]
+
+
+def test_sampler_masks_greedy_and_random_rows() -> None:
+    vocab = 64
+    logits = torch.randn(3, vocab)
+    bitmask = torch.zeros(3, 2, dtype=torch.int32)
+    bitmask[0, 1] = 1 << 3  # token 35
+    bitmask[1, 0] = (1 << 5) | (1 << 9)  # tokens 5 and 9
+    bitmask[2] = -1  # unconstrained
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=2.0), SamplingParams()]
+    metadata = SamplingMetadata.build(
+        params, [[0]] * 3, [[], [], []], [None] * 3, [None] * 3, vocab, torch.device("cpu")
+    )
+    metadata.grammar_bitmask = bitmask
+    for _ in range(20):
+        sampled = Sampler()(logits, metadata).sampled_token_ids.tolist()
+        assert sampled[0] == 35 and sampled[1] in (5, 9)
+
+
+# ---- end to end on the default model -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=512, num_kv_blocks=256)
+
+
+def _check_person(text: str) -> dict:
+    person = json.loads(text)
+    assert set(person) == {"name", "age", "city"}
+    assert isinstance(person["name"], str) and len(person["name"]) <= 20
+    assert isinstance(person["age"], int) and 0 <= person["age"] <= 150
+    assert person["city"] in ("Paris", "London", "Rome")
+    return person
+
+
+def test_constrained_batch_on_the_default_model(llm) -> None:
+    """A mixed batch: each constraint holds, greedy and sampled, and the unconstrained row is
+    the same as alone; every output ends complete (stop, not length)."""
+    so = StructuredOutputsParams
+    greedy = {"temperature": 0.0, "max_tokens": 80}
+    params = [
+        SamplingParams(**greedy, structured_outputs=so(json=PERSON)),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=80, structured_outputs=so(json=PERSON)),
+        SamplingParams(**greedy, structured_outputs=so(json_object=True)),
+        SamplingParams(**greedy, structured_outputs=so(regex=r"[0-9]{3}-[A-Z]{2}")),
+        SamplingParams(**greedy, structured_outputs=so(choice=["Paris", "London", "Rome"])),
+        SamplingParams(**greedy, structured_outputs=so(grammar='root ::= "yes" | "no"')),
+        SamplingParams(**greedy),
+    ]
+    prompts = [
+        "Describe a person as JSON:",
+        "A person, as JSON:",
+        "A JSON object with a name and an age:",
+        "Code:",
+        "The capital of France is",
+        "Is the sky blue?",
+        "The capital of France is",
+    ]
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for out in outputs[:6]:
+        assert out.finish_reason == "stop", out
+    _check_person(outputs[0].text)
+    _check_person(outputs[1].text)
+    assert isinstance(json.loads(outputs[2].text), dict)
+    assert re.fullmatch(r"[0-9]{3}-[A-Z]{2}", outputs[3].text)
+    assert outputs[4].text in ("Paris", "London", "Rome")
+    assert outputs[5].text in ("yes", "no")
+    (alone,) = llm.generate([prompts[6]], params[6], use_tqdm=False)
+    assert outputs[6].token_ids == alone.outputs[0].token_ids
+    # The same seed and spec give the same sampled object.
+    (again,) = llm.generate([prompts[1]], params[1], use_tqdm=False)
+    assert again.outputs[0].text == outputs[1].text
+
+
+def test_constrained_requests_survive_chunked_prefill_and_preemption(llm) -> None:
+    """A preempted request's matcher starts again from its outputs when it comes back: the
+    same tokens as without preemption, and every block returned."""
+    small = LLM(
+        max_model_len=256, num_kv_blocks=24, block_size=4, max_num_batched_tokens=32,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    scheduler = small.engine_core.scheduler
+    preempted = []
+    make_stats = scheduler.make_stats
+
+    def counting_stats():
+        stats = make_stats()
+        preempted.append(stats.num_preempted_reqs)
+        return stats
+
+    scheduler.make_stats = counting_stats
+    so = StructuredOutputsParams(json=PERSON)
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so)
+    prompts = [f"Person number {i}, described as JSON with name, age and city:" for i in range(6)]
+    outputs = small.generate(prompts, params, use_tqdm=False)
+    assert sum(preempted) > 0
+    reference = llm.generate(prompts, params, use_tqdm=False)
+    for out, ref in zip(outputs, reference):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        if out.outputs[0].finish_reason == "stop":
+            _check_person(out.outputs[0].text)
+    assert scheduler.kv_cache_manager.num_free_blocks == small.engine_core.num_kv_blocks
+
+
+def test_structured_outputs_cross_to_the_core_process() -> None:
+    from v1_engine import AsyncEngine
+
+    engine = AsyncEngine(max_model_len=512, num_kv_blocks=128)
+    try:
+        so = StructuredOutputsParams(choice=["alpha", "beta"])
+        params = SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=so)
+
+        async def run() -> str:
+            outs = [o async for o in engine.generate("Pick one:", params, "so-1")]
+            return "".join(o.outputs[0].text for o in outs)
+
+        assert asyncio.run(run()) in ("alpha", "beta")
+        bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(x"))
+
+        async def run_bad() -> None:
+            async for _ in engine.generate("x", bad, "so-2"):
+                pass
+
+        with pytest.raises(ValueError, match="structured_outputs.regex"):
+            asyncio.run(run_bad())
+        assert engine.is_healthy()
+    finally:
+        engine.shutdown()

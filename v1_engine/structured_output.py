@@ -1,0 +1,243 @@
+"""Structured outputs: output constrained to a JSON schema, any JSON object, a regular
+expression, one of a list of strings, or an EBNF grammar, through xgrammar.
+
+- `StructuredOutputsParams` (a field of SamplingParams) says which; `verify()` parses the spec
+  in the front-end, so a bad schema or regex is a ValueError naming its field before the
+  request reaches the engine core.
+- In the engine core, `GrammarCompilerService` compiles the spec against the model's
+  vocabulary on a worker thread (cached by spec) as the request is first scheduled, so the
+  compile overlaps its prefill; `RequestGrammar` holds one request's matcher.
+- Each step the model runner asks every constrained row for its allowed tokens
+  (`RequestGrammar.fill_bitmask`, after the row's newest tokens are on the host) and the sampler
+  masks the rest (`apply_token_bitmask`), greedy rows included. Stop tokens are allowed only
+  where the grammar may end, so a constrained output ends complete unless max_tokens cuts it.
+
+JSON schemas compile without free whitespace between tokens (compact JSON): with it a small
+model can fill its whole budget with spaces and newlines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+BITS = 32
+"""Tokens per word of xgrammar's bitmask (int32 words, bit i of word w = token 32 w + i)."""
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Exactly one of the fields below constrains the output (vLLM's `structured_outputs`)."""
+
+    json: str | None = None
+    """A JSON schema (as JSON text; a dict is serialized) the output must satisfy."""
+    json_object: bool = False
+    """Any JSON object (OpenAI's response_format {"type": "json_object"}; not an array or a
+    scalar)."""
+    regex: str | None = None
+    """A regular expression the whole output must match."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF grammar (xgrammar's dialect, GBNF-like) whose `root` rule the output matches."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json)
+
+    def spec(self) -> tuple[str, str]:
+        """(kind, text): the one constraint set, as the compiler takes it. ValueError naming
+        the field unless exactly one is set."""
+        given = {
+            name: value
+            for name, value in (
+                ("json", self.json),
+                ("json_object", self.json_object or None),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if value is not None
+        }
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, choice "
+                f"or grammar, got {sorted(given) or 'none'}"
+            )
+        ((kind, value),) = given.items()
+        if kind == "json_object":
+            return kind, ""
+        if kind == "choice":
+            if (
+                not isinstance(value, list)
+                or not value
+                or not all(isinstance(c, str) and c for c in value)
+            ):
+                raise ValueError(
+                    f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                    f"got {value!r}"
+                )
+            # Each choice a JSON-escaped EBNF literal; xgrammar reads the same escapes.
+            return "grammar", "root ::= " + " | ".join(json.dumps(c) for c in value)
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+        return kind, value
+
+    def verify(self) -> None:
+        """Parse the constraint (no vocabulary needed): ValueError naming the field if it is
+        not a valid JSON schema / regex / grammar."""
+        kind, text = self.spec()
+        field = "choice" if self.choice is not None else kind
+        if kind == "json":
+            try:
+                json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        xgr = _xgrammar()
+        try:
+            if kind == "json":
+                xgr.Grammar.from_json_schema(text, any_whitespace=False)
+            elif kind == "regex":
+                xgr.Grammar.from_regex(text)
+            elif kind == "grammar":
+                xgr.Grammar.from_ebnf(text)
+        except (RuntimeError, ValueError, TypeError) as e:
+            what = {"json": "a JSON schema it supports", "regex": "a regular expression"}.get(
+                kind, "a grammar"
+            )
+            raise ValueError(
+                f"structured_outputs.{field} is not {what}: {_first_line(e)}"
+            ) from None
+
+
+def _first_line(error: Exception) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else type(error).__name__
+    # xgrammar prefixes its messages with "[time] file:line: ".
+    return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as e:  # pragma: no cover - a declared dependency
+        raise ValueError("structured outputs need the xgrammar package") from e
+    return xgrammar
+
+
+class GrammarCompilerService:
+    """Compiles specs against the model's vocabulary on one worker thread, each spec once.
+
+    The tokenizer is loaded at the first constrained request, so engines that never see one pay
+    nothing."""
+
+    def __init__(self, tokenizer_path: Path | str, vocab_size: int) -> None:
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self._compiler: Any = None
+        self._lock = threading.Lock()
+        self._futures: dict[tuple[str, str], Future] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+
+    def submit(self, params: StructuredOutputsParams) -> Future:
+        """The compiled grammar of `params`, as a future (shared by equal specs)."""
+        key = params.spec()
+        with self._lock:
+            future = self._futures.get(key)
+            if future is None:
+                future = self._pool.submit(self._compile, *key)
+                self._futures[key] = future
+        return future
+
+    def _compile(self, kind: str, text: str) -> Any:
+        compiler = self._get_compiler()
+        if kind == "json":
+            return compiler.compile_json_schema(text, any_whitespace=False)
+        if kind == "json_object":
+            # An object with any members (xgrammar's builtin JSON grammar takes any value).
+            return compiler.compile_json_schema(
+                '{"type": "object"}', any_whitespace=False, strict_mode=False
+            )
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        return compiler.compile_grammar(text)
+
+    def _get_compiler(self) -> Any:
+        if self._compiler is None:
+            from v1_engine.models.loader import get_tokenizer
+
+            xgr = _xgrammar()
+            tokenizer = get_tokenizer(Path(self.tokenizer_path))
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+            self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RequestGrammar:
+    """One request's grammar state: its matcher has accepted the request's first
+    `num_accepted` output tokens."""
+
+    def __init__(self, compiled: Future, eos_token_id: int | None) -> None:
+        self._compiled = compiled
+        self._eos_token_id = eos_token_id
+        self._matcher: Any = None
+        self._failed = False
+        self.num_accepted = 0
+
+    def fill_bitmask(self, output_token_ids: list[int], bitmask: torch.Tensor, row: int) -> None:
+        """Accept the outputs not yet accepted, then write the allowed next tokens into
+        bitmask[row] (int32 words, BITS tokens each). Waits for the compile the first time.
+        A grammar that failed to compile (the front-end parsed it, so this is not expected)
+        allows only EOS: the request ends at once, and the engine keeps serving."""
+        if self._matcher is None and not self._failed:
+            try:
+                self._matcher = _xgrammar().GrammarMatcher(self._compiled.result())
+            except Exception:
+                logger.exception("structured output: the grammar failed to compile")
+                self._failed = True
+        if self._failed:
+            if self._eos_token_id is not None:
+                bitmask[row] = 0
+                bitmask[row, self._eos_token_id // BITS] = _word_bit(self._eos_token_id % BITS)
+            return
+        for token_id in output_token_ids[self.num_accepted :]:
+            if not self._matcher.accept_token(token_id):
+                logger.warning("token %d does not match the request's grammar", token_id)
+            self.num_accepted += 1
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def _word_bit(bit: int) -> int:
+    """The int32 word with only `bit` set (bit 31 is the sign bit)."""
+    return (1 << bit) - (1 << 32) * (bit == BITS - 1)
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(V / BITS)] int32, every token allowed (all bits set)."""
+    import torch
+
+    return torch.full((rows, -(-vocab_size // BITS)), -1, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf (in place) on every token whose bit is clear in its row of `bitmask`
+    ([N, ceil(V / BITS)] int32, on logits' device); [N, V] logits."""
+    import torch
+
+    vocab_size = logits.shape[-1]
+    shifts = torch.arange(BITS, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size]
+    return logits.masked_fill_(allowed == 0, float("-inf"))
