@@ -7,14 +7,15 @@ Sync debugging sees only the syncs PyTorch makes itself, not a wait on an event 
 this step's work. So each checked step also starts behind a GPU sleep of about a tenth of a
 second, and the stream must still be busy when `execute_model` returns: the host waited for
 nothing queued after the previous step. The penalized requests run min_tokens, whose
-suppressed tokens once went in with a blocking scalar copy."""
+suppressed tokens once went in with a blocking scalar copy; the constrained ones a grammar and a
+logit bias."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from v1_engine import LLM, SamplingParams
+from v1_engine import LLM, SamplingParams, StructuredOutputsParams
 
 pytestmark = pytest.mark.gpu
 
@@ -59,9 +60,18 @@ def test_steps_launch_without_a_host_sync(model_dir, level):
         max_tokens=12,
         ignore_eos=True,
     )
+    # A grammar's bitmask and a logit bias each copy a host tensor too (the bitmask is filled
+    # after the previous step's tokens reached the host, which they have by then).
+    constrained = SamplingParams(
+        temperature=0.8,
+        max_tokens=12,
+        ignore_eos=True,
+        logit_bias={7: 2.0, 11: -5.0},
+        structured_outputs=StructuredOutputsParams(regex="[a-z ]+"),
+    )
     # Warm-up, every kind of request once: a kernel's first launch loads its module (CUDA's lazy
     # loading), which may wait for the device; that is once per process, not per step.
-    kinds = (greedy, sampled, penalized)
+    kinds = (greedy, sampled, penalized, constrained)
     for params in kinds:
         llm.generate(PROMPTS, params, use_tqdm=False)
 
