@@ -201,7 +201,8 @@ class RequestGrammar:
         """Accept the outputs not yet accepted, then write the allowed next tokens into
         bitmask[row] (int32 words, BITS tokens each). Waits for the compile the first time.
         A grammar that failed to compile (the front-end parsed it, so this is not expected)
-        allows only EOS: the request ends at once, and the engine keeps serving."""
+        allows only EOS: the request ends at once, and the engine keeps serving. So does a
+        matcher that has accepted its stop token (a step async scheduling planned early)."""
         if self._matcher is None and not self._failed:
             try:
                 self._matcher = _xgrammar().GrammarMatcher(self._compiled.result())
@@ -209,15 +210,27 @@ class RequestGrammar:
                 logger.exception("structured output: the grammar failed to compile")
                 self._failed = True
         if self._failed:
-            if self._eos_token_id is not None:
-                bitmask[row] = 0
-                bitmask[row, self._eos_token_id // BITS] = _word_bit(self._eos_token_id % BITS)
+            self._only_eos(bitmask, row)
             return
         for token_id in output_token_ids[self.num_accepted :]:
+            if self._matcher.is_terminated():
+                break
             if not self._matcher.accept_token(token_id):
                 logger.warning("token %d does not match the request's grammar", token_id)
             self.num_accepted += 1
+        if self._matcher.is_terminated():
+            # The stop token was accepted, yet the request is sampled again: async scheduling
+            # planned this step before the scheduler saw that token. The scheduler drops what
+            # this step samples; a matcher past its end has no mask to give.
+            self._only_eos(bitmask, row)
+            return
         self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def _only_eos(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` allows only EOS (every token where the request has no EOS id)."""
+        if self._eos_token_id is not None:
+            bitmask[row] = 0
+            bitmask[row, self._eos_token_id // BITS] = _word_bit(self._eos_token_id % BITS)
 
 
 def _word_bit(bit: int) -> int:

@@ -122,6 +122,15 @@ def test_matcher_follows_the_outputs_it_is_given(compiler, default_tokenizer) ->
     assert grammar.num_accepted == len(paris)
     allowed = torch.isfinite(apply_token_bitmask(torch.zeros(1, vocab), bitmask))[0]
     assert allowed.nonzero().flatten().tolist() == [default_tokenizer.eos_token_id]
+    # Async scheduling samples a request once more after its stop token, before the scheduler
+    # has seen it: the matcher, terminated, allows EOS again instead of failing the step.
+    outputs.append(default_tokenizer.eos_token_id)
+    for _ in range(2):
+        bitmask = allocate_bitmask(1, vocab)
+        grammar.fill_bitmask(outputs, bitmask, 0)
+        allowed = torch.isfinite(apply_token_bitmask(torch.zeros(1, vocab), bitmask))[0]
+        assert allowed.nonzero().flatten().tolist() == [default_tokenizer.eos_token_id]
+        outputs.append(default_tokenizer.eos_token_id)
 
 
 def test_sampler_masks_greedy_and_random_rows() -> None:
