@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 BITS = 32
 """Tokens per word of xgrammar's bitmask (int32 words, bit i of word w = token 32 w + i)."""
+
+MAX_CACHED_GRAMMARS = 256
+"""Compiled grammars kept for reuse (least recently used dropped first); a server that sees a
+new schema with every request would otherwise grow without bound."""
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -146,7 +151,7 @@ class GrammarCompilerService:
         self.vocab_size = vocab_size
         self._compiler: Any = None
         self._lock = threading.Lock()
-        self._futures: dict[tuple[str, str], Future] = {}
+        self._futures: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
 
     def submit(self, params: StructuredOutputsParams) -> Future:
@@ -157,6 +162,9 @@ class GrammarCompilerService:
             if future is None:
                 future = self._pool.submit(self._compile, *key)
                 self._futures[key] = future
+                if len(self._futures) > MAX_CACHED_GRAMMARS:
+                    self._futures.popitem(last=False)
+            self._futures.move_to_end(key)
         return future
 
     def _compile(self, kind: str, text: str) -> Any:

@@ -133,6 +133,19 @@ def test_matcher_follows_the_outputs_it_is_given(compiler, default_tokenizer) ->
         outputs.append(default_tokenizer.eos_token_id)
 
 
+def test_the_grammar_cache_is_bounded(compiler, monkeypatch) -> None:
+    import v1_engine.structured_output as so
+
+    monkeypatch.setattr(so, "MAX_CACHED_GRAMMARS", 3)
+    first = compiler.submit(StructuredOutputsParams(regex="a0"))
+    for i in range(1, 4):
+        compiler.submit(StructuredOutputsParams(regex=f"a{i}"))
+    assert len(compiler._futures) == 3
+    assert compiler.submit(StructuredOutputsParams(regex="a3")) is not first
+    assert compiler.submit(StructuredOutputsParams(regex="a0")) is not first  # compiled again
+    assert compiler.submit(StructuredOutputsParams(regex="a0")).result() is not None
+
+
 def test_sampler_masks_greedy_and_random_rows() -> None:
     vocab = 64
     logits = torch.randn(3, vocab)
