@@ -255,10 +255,8 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """-inf (in place) on every token whose bit is clear in its row of `bitmask`
-    ([N, ceil(V / BITS)] int32, on logits' device); [N, V] logits."""
-    import torch
-
-    vocab_size = logits.shape[-1]
-    shifts = torch.arange(BITS, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size]
-    return logits.masked_fill_(allowed == 0, float("-inf"))
+    ([N, ceil(V / BITS)] int32, on logits' device); [N, V] float32 logits. xgrammar's kernel:
+    native on the CPU, Triton on CUDA (5x and more faster on the CPU than unpacking the bits
+    with torch ops, which the tests keep as the oracle)."""
+    _xgrammar().apply_token_bitmask_inplace(logits, bitmask)
+    return logits

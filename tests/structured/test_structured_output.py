@@ -10,7 +10,6 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-import xgrammar as xgr
 
 from v1_engine import LLM, SamplingParams
 from v1_engine.sample.metadata import SamplingMetadata
@@ -71,16 +70,37 @@ def test_bad_specs_name_their_field(params: dict, message: str) -> None:
 # ---- the bitmask -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("vocab", [32, 70, 1000])
-def test_bitmask_matches_xgrammars_own_apply(vocab: int) -> None:
+def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """The oracle: unpack each int32 word's bits (bit i of word w = token 32 w + i)."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(BITS, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab]
+    return logits.masked_fill(allowed == 0, float("-inf"))
+
+
+@pytest.mark.parametrize("vocab", [32, 70, 1000, 49152])
+def test_bitmask_apply_matches_the_reference(vocab: int) -> None:
     gen = torch.Generator().manual_seed(vocab)
     bitmask = torch.randint(-(2**31), 2**31, (3, -(-vocab // BITS)), generator=gen)
     bitmask = bitmask.to(torch.int32)
     logits = torch.randn(3, vocab, generator=gen)
-    expected = logits.clone()
-    xgr.apply_token_bitmask_inplace(expected, bitmask)
+    expected = apply_token_bitmask_ref(logits, bitmask)
+    assert torch.isneginf(expected).any() and torch.isfinite(expected).any()
     assert torch.equal(apply_token_bitmask(logits.clone(), bitmask), expected)
     assert torch.equal(apply_token_bitmask(logits.clone(), allocate_bitmask(3, vocab)), logits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_bitmask_apply_on_cuda(rows: int) -> None:
+    vocab = 128256  # Llama-3's
+    gen = torch.Generator().manual_seed(rows)
+    bitmask = torch.randint(-(2**31), 2**31, (rows, vocab // BITS), generator=gen)
+    bitmask = bitmask.to(torch.int32)
+    logits = torch.randn(rows, vocab, generator=gen)
+    expected = apply_token_bitmask_ref(logits, bitmask)
+    result = apply_token_bitmask(logits.cuda(), bitmask.cuda())
+    assert torch.equal(result.cpu(), expected)
 
 
 def test_a_grammar_that_fails_to_compile_allows_only_eos() -> None:
