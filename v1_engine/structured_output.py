@@ -190,9 +190,6 @@ class GrammarCompilerService:
             self._compiler = xgr.GrammarCompiler(info)
         return self._compiler
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
 
 class RequestGrammar:
     """One request's grammar state: its matcher has accepted the request's first
