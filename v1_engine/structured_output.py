@@ -5,8 +5,9 @@ expression, one of a list of strings, or an EBNF grammar, through xgrammar.
   in the front-end, so a bad schema or regex is a ValueError naming its field before the
   request reaches the engine core.
 - In the engine core, `GrammarCompilerService` compiles the spec against the model's
-  vocabulary on a worker thread (cached by spec) as the request is first scheduled, so the
-  compile overlaps its prefill; `RequestGrammar` holds one request's matcher.
+  vocabulary on a worker thread (cached by spec) from the request's arrival; the scheduler
+  admits the request once its grammar is compiled and schedules the others meanwhile, so a
+  slow grammar holds back only its own request. `RequestGrammar` holds one request's matcher.
 - Each step the model runner asks every constrained row for its allowed tokens
   (`RequestGrammar.fill_bitmask`, after the row's newest tokens are on the host) and the sampler
   masks the rest (`apply_token_bitmask`), greedy rows included. Stop tokens are allowed only

@@ -342,3 +342,44 @@ def test_finish_requests_needs_a_finished_status(core):
     scheduler = core.make_scheduler()
     with pytest.raises(ValueError, match="finished_status"):
         scheduler.finish_requests("r", RequestStatus.RUNNING)
+
+
+# --- structured outputs: a request waits for its grammar, and only it -----------------------
+
+
+def test_a_request_compiling_its_grammar_is_passed_over_and_keeps_its_place(core):
+    from concurrent.futures import Future
+
+    scheduler = core.make_scheduler(max_num_batched_tokens=64)
+    runner, transcript = core.FakeRunner(), core.Transcript()
+    compiling: Future = Future()
+    first = core.make_request("grammar", 8)
+    first.grammar = compiling
+    scheduler.add_request(first)
+    scheduler.add_request(core.make_request("plain", 8))
+    assert scheduler.pending_grammars() == [compiling]
+
+    assert scheduled(core.step(scheduler, runner, transcript)) == {"plain": 8}
+    assert [r.request_id for r in scheduler.waiting] == ["grammar"]
+    assert first.status == RequestStatus.WAITING and first.num_computed_tokens == 0
+    scheduler.add_request(core.make_request("later", 8))
+    assert scheduled(core.step(scheduler, runner, transcript)) == {"plain": 1, "later": 8}
+    assert [r.request_id for r in scheduler.waiting] == ["grammar"]
+
+    compiling.set_result("compiled")
+    assert scheduler.pending_grammars() == []
+    step = core.step(scheduler, runner, transcript)
+    assert scheduled(step) == {"plain": 1, "later": 1, "grammar": 8}
+    assert [r.req_id for r in step.scheduled_new_reqs] == ["grammar"]
+    assert not scheduler.waiting
+
+
+def test_an_aborted_request_waiting_for_its_grammar_leaves(core):
+    from concurrent.futures import Future
+
+    scheduler = core.make_scheduler()
+    request = core.make_request("grammar", 8)
+    request.grammar = Future()
+    scheduler.add_request(request)
+    scheduler.finish_requests(["grammar"], RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.has_unfinished_requests() and scheduler.pending_grammars() == []

@@ -269,6 +269,50 @@ def test_constrained_requests_survive_chunked_prefill_and_preemption(llm) -> Non
     assert scheduler.kv_cache_manager.num_free_blocks == small.engine_core.num_kv_blocks
 
 
+def test_a_slow_grammar_holds_back_only_its_own_request(llm, monkeypatch) -> None:
+    """The compile runs while the request waits; the scheduler admits it once done, and the
+    other requests step on meanwhile (the runner never blocks on a compile)."""
+    import threading
+
+    from v1_engine.structured_output import GrammarCompilerService
+
+    release = threading.Event()
+    compile_grammar = GrammarCompilerService._compile
+
+    def slow_compile(self, kind, text):
+        release.wait(timeout=30)
+        return compile_grammar(self, kind, text)
+
+    monkeypatch.setattr(GrammarCompilerService, "_compile", slow_compile)
+    runner = llm.engine_core.model_runner
+    execute = runner.execute_model
+    steps: list[tuple[set[bool], set[bool]]] = []  # (new requests, scheduled), by constrained
+
+    def counting(so):
+        states = runner.input_batch.states
+        new = {r.sampling_params.structured_outputs is not None for r in so.scheduled_new_reqs}
+        out = execute(so)
+        ran = {states[r].sampling_params.structured_outputs is not None
+               for r in so.num_scheduled_tokens if r in states}  # fmt: skip
+        steps.append((new, ran | new))
+        if len(steps) == 8:
+            release.set()
+        return out
+
+    monkeypatch.setattr(runner, "execute_model", counting)
+    spec = StructuredOutputsParams(regex="[0-9]{2}-(slow|grammar)")
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=spec),
+        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+    ]
+    outputs = llm.generate(["Code:", "Hello"], params, use_tqdm=False)
+    assert re.fullmatch(r"[0-9]{2}-(slow|grammar)", outputs[0].outputs[0].text)
+    assert len(outputs[1].outputs[0].token_ids) == 5
+    admitted = next(i for i, (new, _) in enumerate(steps) if True in new)
+    last_plain = max(i for i, (_, ran) in enumerate(steps) if False in ran)
+    assert admitted >= 8 > last_plain  # the plain request finished while the compile waited
+
+
 def test_structured_outputs_cross_to_the_core_process() -> None:
     from v1_engine import AsyncEngine
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 
 from v1_engine.protocol import EngineCoreRequest, FinishReason
 from v1_engine.sampling_params import SamplingParams
@@ -65,6 +66,13 @@ class Request:
         """Async scheduling: tokens sampled by a step still in flight, counted before known."""
         self.num_prompt_logprob_rows = 0
         """Prompt-logprob rows already returned, so a recompute after preemption sends none twice."""
+        self.grammar: Future | None = None
+        """Structured outputs: the compile of the request's grammar, started on arrival; the
+        scheduler admits the request once it is done (the runner never waits on a compile)."""
+
+    @property
+    def grammar_pending(self) -> bool:
+        return self.grammar is not None and not self.grammar.done()
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:

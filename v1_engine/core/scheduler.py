@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from v1_engine.config import CacheConfig, SchedulerConfig
@@ -164,6 +165,10 @@ class Scheduler:
             request.status = finished_status
             self._free_request(request)
 
+    def pending_grammars(self) -> list[Future]:
+        """Compiles that hold waiting requests back (structured outputs)."""
+        return [r.grammar for r in self.waiting if r.grammar_pending]  # type: ignore[misc]
+
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
@@ -237,10 +242,21 @@ class Scheduler:
         self._num_preempted_since_stats += 1
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        """Admit waiting requests in order; stop at the first one that does not fit (FCFS)."""
+        """Admit waiting requests in order; stop at the first one that does not fit (FCFS).
+        A request whose grammar is still compiling is passed over, keeping its place."""
+        passed_over: list[Request] = []
+        try:
+            self._admit_waiting(plan, passed_over)
+        finally:
+            self.waiting.extendleft(reversed(passed_over))
+
+    def _admit_waiting(self, plan: _StepPlan, passed_over: list[Request]) -> None:
         kv = self.kv_cache_manager
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.grammar_pending:
+                passed_over.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = self._num_remaining_tokens(request, num_hit_tokens)
             if num_new_tokens > plan.budget:

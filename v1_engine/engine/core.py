@@ -6,6 +6,7 @@ only the typed messages of protocol.py.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 
@@ -20,6 +21,9 @@ from v1_engine.worker.model_runner import ModelRunner
 from v1_engine.worker.step_output import StepOutput
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.005
+"""Longest a step with nothing to run waits for a structured-output grammar to compile."""
 
 
 class EngineCore:
@@ -45,7 +49,13 @@ class EngineCore:
         logger.info("engine core ready on %s in %.1f s", device, time.perf_counter() - start)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        core_request = Request.from_engine_core_request(request)
+        structured = request.sampling_params.structured_outputs
+        if structured is not None:
+            # Compiled while the request waits; the scheduler admits it once done, so a slow
+            # grammar holds back only its own request.
+            core_request.grammar = self.model_runner.submit_grammar(structured)
+        self.scheduler.add_request(core_request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -62,17 +72,29 @@ class EngineCore:
         if not self.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         if not self.async_scheduling:
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             step = self.model_runner.execute_model(scheduler_output)
             return self._collect(scheduler_output, step)
         launched = None
         if self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             launched = (scheduler_output, self.model_runner.execute_model(scheduler_output))
         in_flight, self._in_flight = self._in_flight, launched
         if in_flight is None:
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         return self._collect(*in_flight)
+
+    def _schedule(self) -> SchedulerOutput:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            pending = self.scheduler.pending_grammars()
+            if pending:
+                # Only grammar compiles are left to wait for: block on them briefly instead
+                # of spinning (the busy loop reads new requests between steps).
+                concurrent.futures.wait(
+                    pending, timeout=GRAMMAR_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED
+                )
+        return scheduler_output
 
     def _collect(self, scheduler_output: SchedulerOutput, step: StepOutput) -> EngineCoreOutputs:
         outputs = self.scheduler.update_from_output(scheduler_output, step.get_output())

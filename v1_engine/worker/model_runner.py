@@ -11,6 +11,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,7 +26,12 @@ from v1_engine.protocol import LogprobsLists
 from v1_engine.sample.logprobs import compute_prompt_logprobs
 from v1_engine.sample.metadata import SamplingMetadata
 from v1_engine.sample.sampler import Sampler
-from v1_engine.structured_output import GrammarCompilerService, RequestGrammar, allocate_bitmask
+from v1_engine.structured_output import (
+    GrammarCompilerService,
+    RequestGrammar,
+    StructuredOutputsParams,
+    allocate_bitmask,
+)
 from v1_engine.worker.host_staging import HostStaging
 from v1_engine.worker.input_batch import CachedRequestState, InputBatch
 from v1_engine.worker.kv_sizing import (
@@ -446,15 +452,18 @@ class ModelRunner:
         ):
             self.input_batch.set_token(req_id, position, token_id)
 
-    def _request_grammar(self, params, eos_token_id: int | None) -> RequestGrammar | None:
-        """A new request's matcher; its grammar compiles on a worker thread meanwhile."""
-        if params.structured_outputs is None:
-            return None
+    def submit_grammar(self, structured: StructuredOutputsParams) -> Future:
+        """Start compiling a request's grammar (on a worker thread); equal specs share one."""
         if self._grammar_compiler is None:
             tokenizer = self.config.model_config.tokenizer or self.config.model_config.model
             self._grammar_compiler = GrammarCompilerService(tokenizer, self.vocab_size)
-        compiled = self._grammar_compiler.submit(params.structured_outputs)
-        return RequestGrammar(compiled, eos_token_id)
+        return self._grammar_compiler.submit(structured)
+
+    def _request_grammar(self, params, eos_token_id: int | None) -> RequestGrammar | None:
+        """A new request's matcher (the scheduler admitted it once its grammar compiled)."""
+        if params.structured_outputs is None:
+            return None
+        return RequestGrammar(self.submit_grammar(params.structured_outputs), eos_token_id)
 
     def _grammar_bitmask(self, states: list[CachedRequestState]) -> torch.Tensor | None:
         """The rows' allowed tokens ([N, ceil(V / 32)] int32 on the device) when any row is
