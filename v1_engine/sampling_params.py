@@ -113,6 +113,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                     f"{type(self.structured_outputs).__name__}"
                 )
             self.structured_outputs.verify()
+            if self.min_tokens > 0:
+                # Where the grammar ends only a stop token may follow; min_tokens bans it there.
+                raise ValueError(
+                    "min_tokens must be 0 with structured_outputs (the grammar decides where the "
+                    f"output ends), got {self.min_tokens}"
+                )
 
     def _verify_token_lists(self) -> None:
         """Types and value ranges of the token-id fields; InputProcessor checks the ids against

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from v1_engine.sampling_params import SamplingParams
+from v1_engine.structured_output import StructuredOutputsParams
 
 
 @pytest.mark.parametrize(
@@ -34,6 +35,10 @@ from v1_engine.sampling_params import SamplingParams
         # Past 64 bits msgpack cannot carry them to the engine core (was an OverflowError).
         ({"top_k": 10**30}, "top_k must be below 2**63"),
         ({"max_tokens": 2**64}, "max_tokens must be below 2**63"),
+        (
+            {"min_tokens": 3, "structured_outputs": StructuredOutputsParams(regex="a")},
+            "min_tokens must be 0 with structured_outputs",
+        ),
     ],
 )
 def test_bad_values_name_the_field(kwargs: dict, message: str) -> None:
