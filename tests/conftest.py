@@ -54,6 +54,15 @@ def hf_default_model(default_model_dir):
     return model.eval()
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, default_tokenizer):
+    """A tiny random-weight Llama (the default tokenizer; same layer structure as the big ones,
+    fast enough for CI on two cores), shared by every test that needs one model of that kind."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_model("llama", path, default_tokenizer)
+    return path
+
+
 @pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))
 def tiny_model_dir(request, tmp_path_factory, default_tokenizer):
     path = tmp_path_factory.mktemp(f"tiny-{request.param}")

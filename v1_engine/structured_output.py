@@ -19,6 +19,7 @@ model can fill its whole budget with spaces and newlines.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -46,7 +47,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Exactly one of the fields below constrains the output (vLLM's `structured_outputs`)."""
 
     json: str | None = None
-    """A JSON schema (as JSON text; a dict is serialized) the output must satisfy."""
+    """A JSON schema (as JSON text; a dict or `True` is serialized) the output must satisfy."""
     json_object: bool = False
     """Any JSON object (OpenAI's response_format {"type": "json_object"}; not an array or a
     scalar)."""
@@ -58,8 +59,8 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """An EBNF grammar (xgrammar's dialect, GBNF-like) whose `root` rule the output matches."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.json, dict):
-            self.json = json.dumps(self.json)
+        if self.json is not None and not isinstance(self.json, str):
+            self.json = json.dumps(self.json)  # a schema given as a dict (or `true`)
 
     def spec(self) -> tuple[str, str]:
         """(kind, text): the one constraint set, as the compiler takes it. ValueError naming
@@ -101,29 +102,37 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def verify(self) -> None:
         """Parse the constraint (no vocabulary needed): ValueError naming the field if it is
-        not a valid JSON schema / regex / grammar."""
+        not a valid JSON schema / regex / grammar. Parses are cached by spec, so the server's
+        conversion, the engine's check and every child of an n > 1 request parse once."""
         kind, text = self.spec()
-        field = "choice" if self.choice is not None else kind
-        if kind == "json":
-            try:
-                json.loads(text)
-            except ValueError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-        xgr = _xgrammar()
+        problem = _parse_problem(kind, text)
+        if problem is not None:
+            field = "choice" if self.choice is not None else kind
+            raise ValueError(f"structured_outputs.{field} {problem}")
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_problem(kind: str, text: str) -> str | None:
+    """Why `text` is not a valid `kind` spec (the rest of the error message), or None."""
+    if kind == "json":
         try:
-            if kind == "json":
-                xgr.Grammar.from_json_schema(text, any_whitespace=False)
-            elif kind == "regex":
-                xgr.Grammar.from_regex(text)
-            elif kind == "grammar":
-                xgr.Grammar.from_ebnf(text)
-        except (RuntimeError, ValueError, TypeError) as e:
-            what = {"json": "a JSON schema it supports", "regex": "a regular expression"}.get(
-                kind, "a grammar"
-            )
-            raise ValueError(
-                f"structured_outputs.{field} is not {what}: {_first_line(e)}"
-            ) from None
+            json.loads(text)
+        except ValueError as e:
+            return f"is not valid JSON: {e}"
+    xgr = _xgrammar()
+    try:
+        if kind == "json":
+            xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(text)
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(text)
+    except (RuntimeError, ValueError, TypeError) as e:
+        what = {"json": "a JSON schema it supports", "regex": "a regular expression"}.get(
+            kind, "a grammar"
+        )
+        return f"is not {what}: {_first_line(e)}"
+    return None
 
 
 def _first_line(error: Exception) -> str:

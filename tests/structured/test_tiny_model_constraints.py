@@ -25,15 +25,6 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, default_tokenizer):
-    from hf_reference import make_tiny_model
-
-    path = tmp_path_factory.mktemp("tiny-llama-structured")
-    make_tiny_model("llama", path, default_tokenizer)
-    return path
-
-
 def _run(llm: LLM) -> None:
     so = StructuredOutputsParams
     cases = [
@@ -61,16 +52,16 @@ def _run(llm: LLM) -> None:
     assert len(outputs[-1].token_ids) == 8
 
 
-def test_constraints_on_a_random_model_cpu(model_dir):
-    _run(LLM(str(model_dir), max_model_len=256, num_kv_blocks=128))
+def test_constraints_on_a_random_model_cpu(tiny_llama_dir):
+    _run(LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=128))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("level", [0, 2])
-def test_constraints_on_a_random_model_gpu(model_dir, level):
+def test_constraints_on_a_random_model_gpu(tiny_llama_dir, level):
     assert torch.cuda.is_available()
     llm = LLM(
-        str(model_dir),
+        str(tiny_llama_dir),
         dtype="bfloat16",
         max_model_len=256,
         num_kv_blocks=128,

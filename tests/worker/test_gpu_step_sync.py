@@ -24,19 +24,10 @@ SLEEP_CYCLES = 200_000_000
 """About 0.1 s at the H100 / H200 clocks: far longer than a step's host work after warm-up."""
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, default_tokenizer):
-    from hf_reference import make_tiny_model
-
-    path = tmp_path_factory.mktemp("tiny-llama-sync")
-    make_tiny_model("llama", path, default_tokenizer)
-    return path
-
-
 @pytest.mark.parametrize("level", [0, 2])
-def test_steps_launch_without_a_host_sync(model_dir, level):
+def test_steps_launch_without_a_host_sync(tiny_llama_dir, level):
     llm = LLM(
-        str(model_dir),
+        str(tiny_llama_dir),
         dtype="bfloat16",
         max_model_len=128,
         num_kv_blocks=64,

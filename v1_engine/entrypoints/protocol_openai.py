@@ -7,7 +7,6 @@ the sampling ranges are checked once, by SamplingParams.verify(), after conversi
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -140,24 +139,19 @@ class SamplingFields(StrictModel):
         elif fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None:
                 raise ValueError('response_format.json_schema is required for type "json_schema"')
-            schema = json.dumps(fmt.json_schema.schema_)
-            sources.append(
-                ("response_format.json_schema.schema", StructuredOutputsParams(json=schema))
-            )
+            schema = StructuredOutputsParams(json=fmt.json_schema.schema_)
+            sources.append(("response_format.json_schema.schema", schema))
         if self.structured_outputs is not None:
             so = self.structured_outputs
-            json_spec = (
-                so.json_ if so.json_ is None or isinstance(so.json_, str) else json.dumps(so.json_)
-            )
+            # (a schema given as a dict is serialized by StructuredOutputsParams)
             params = StructuredOutputsParams(
-                json=json_spec, json_object=bool(so.json_object), regex=so.regex,
+                json=so.json_, json_object=bool(so.json_object), regex=so.regex,
                 choice=so.choice, grammar=so.grammar,
             )  # fmt: skip
             sources.append(("structured_outputs", params))
-        guided = self.guided_json
-        if guided is not None:
-            spec = guided if isinstance(guided, str) else json.dumps(guided)
-            sources.append(("guided_json", StructuredOutputsParams(json=spec)))
+        if self.guided_json is not None:
+            guided = StructuredOutputsParams(json=self.guided_json)
+            sources.append(("guided_json", guided))
         if self.guided_regex is not None:
             sources.append(("guided_regex", StructuredOutputsParams(regex=self.guided_regex)))
         if self.guided_choice is not None:

@@ -26,6 +26,7 @@ from v1_engine.protocol import LogprobsLists
 from v1_engine.sample.logprobs import compute_prompt_logprobs
 from v1_engine.sample.metadata import SamplingMetadata
 from v1_engine.sample.sampler import Sampler
+from v1_engine.sampling_params import SamplingParams
 from v1_engine.structured_output import (
     GrammarCompilerService,
     RequestGrammar,
@@ -459,7 +460,9 @@ class ModelRunner:
             self._grammar_compiler = GrammarCompilerService(tokenizer, self.vocab_size)
         return self._grammar_compiler.submit(structured)
 
-    def _request_grammar(self, params, eos_token_id: int | None) -> RequestGrammar | None:
+    def _request_grammar(
+        self, params: SamplingParams, eos_token_id: int | None
+    ) -> RequestGrammar | None:
         """A new request's matcher (the scheduler admitted it once its grammar compiled)."""
         if params.structured_outputs is None:
             return None
