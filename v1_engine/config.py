@@ -333,15 +333,77 @@ class CompilationConfig:
             raise ValueError(f"fusion_passes must name each pass once, got {repeated} repeated")
 
 
+SPECULATIVE_METHODS = (None, "ngram")
+MAX_SPECULATIVE_TOKENS = 16
+
+
 @dataclass
 class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): each step proposes draft tokens per
+    request, the next step verifies them all in one forward and keeps the longest prefix the
+    target model agrees with, plus the token it samples after it. Output follows the target
+    model's distribution exactly (greedy output is unchanged)."""
+
     method: str | None = None
-    """Speculative decoding method; None disables it."""
-    num_speculative_tokens: int = 0
+    """"ngram": prompt lookup, drafts copied from where the request's newest tokens occurred
+    before in its own prompt or output (no draft model). None disables speculative decoding."""
+    num_speculative_tokens: int | None = None
+    """Draft tokens proposed per request and step (1..16); required with a method."""
+    prompt_lookup_max: int = 4
+    """ngram: the longest suffix of the request's tokens looked up (tried first)."""
+    prompt_lookup_min: int = 2
+    """ngram: the shortest suffix looked up; a shorter match proposes nothing."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @classmethod
+    def from_value(cls, value: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig:
+        """The `speculative_config` argument: a dict of fields, a config, or None (off)."""
+        if value is None:
+            return cls()
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(  # noqa: TRY004 (user input: ValueError naming the field)
+                f"speculative_config must be a dict of fields or None, got {value!r}"
+            )
+        allowed = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - allowed)
+        if unknown:
+            raise ValueError(
+                f"unknown speculative_config keys {unknown}; allowed: {', '.join(sorted(allowed))}"
+            )
+        return cls(**value)
 
     def verify(self) -> None:
-        if self.method is not None:
-            raise ValueError(f"speculative method must be None for now, got {self.method!r}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.method!r}"
+            )
+        k = self.num_speculative_tokens
+        if self.method is None:
+            if k:
+                raise ValueError(
+                    "speculative_config.num_speculative_tokens needs a method "
+                    f"(one of {SPECULATIVE_METHODS[1:]})"
+                )
+            return
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                "speculative_config.num_speculative_tokens must be an int in "
+                f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"speculative_config.{name} must be an int >= 1, got {n!r}")
+        if lo > hi:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+            )
 
 
 @dataclass
@@ -361,8 +423,8 @@ class EngineConfig:
         "scheduler_config",
         "parallel_config",
         "compilation_config",
-        "speculative_config",
     )
+    """Sections whose fields are flat keyword arguments; `speculative_config` comes whole."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -375,9 +437,11 @@ class EngineConfig:
         }
         device = kwargs.pop("device", "auto")
         compilation = CompilationConfig.from_value(kwargs.pop("compilation_config", None))
+        speculative = SpeculativeConfig.from_value(kwargs.pop("speculative_config", None))
         for key, value in kwargs.items():
             if key not in owners:
-                allowed = ", ".join(sorted(owners) + ["compilation_config", "device"])
+                extra = ["compilation_config", "device", "speculative_config"]
+                allowed = ", ".join(sorted(owners) + extra)
                 raise ValueError(f"unknown engine argument {key!r}; allowed: {allowed}")
             sections[owners[key]][key] = value
         config = cls(
@@ -386,7 +450,7 @@ class EngineConfig:
             scheduler_config=SchedulerConfig(**sections["scheduler_config"]),
             parallel_config=ParallelConfig(**sections["parallel_config"]),
             compilation_config=dataclasses.replace(compilation, **sections["compilation_config"]),
-            speculative_config=SpeculativeConfig(**sections["speculative_config"]),
+            speculative_config=speculative,
             device=device,
         )
         config.verify()
@@ -395,6 +459,12 @@ class EngineConfig:
     def verify(self) -> None:
         for name in self._SECTIONS:
             getattr(self, name).verify()
+        self.speculative_config.verify()
+        if self.speculative_config.enabled and self.scheduler_config.async_scheduling:
+            raise ValueError(
+                "async_scheduling cannot be combined with speculative_config: the next step's "
+                "drafts depend on how many of this step's were accepted"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be one of ('auto', 'cpu', 'cuda'), got {self.device!r}")
 

@@ -69,6 +69,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Prompt tokens looked up in the prefix cache since the last stats message."""
     prefix_cache_hits: int = 0
     num_preempted_reqs: int = 0
+    spec_num_drafts: int = 0
+    """Speculative decoding, since the last stats message: requests' verify steps with drafts,"""
+    spec_num_draft_tokens: int = 0
+    """the draft tokens they verified,"""
+    spec_num_accepted_tokens: int = 0
+    """and how many of those were accepted."""
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True, kw_only=True):

@@ -19,11 +19,14 @@ from v1_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from v1_engine.core.scheduler import Scheduler
 from v1_engine.protocol import EngineCoreOutputs, FinishReason, LogprobsLists
 from v1_engine.sampling_params import SamplingParams
+from v1_engine.spec_decode.verify import accept_drafts
 
 EOS = 2
 """EOS id of every test request."""
 
 NextToken = Callable[[str, list[int]], int]
+Drafter = Callable[[str, list[int]], list[int]]
+"""Speculative decoding: the drafts proposed after a request's known tokens."""
 
 
 def default_next_token(req_id: str, tokens: list[int]) -> int:
@@ -80,6 +83,9 @@ class _RunnerState:
 class FakeRunner:
     block_size: int = 16
     next_token: NextToken = default_next_token
+    drafter: Drafter | None = None
+    """With a drafter the runner verifies the scheduled drafts the way the real one does (the
+    model being `next_token`) and proposes the next ones."""
     states: dict[str, _RunnerState] = field(default_factory=dict)
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -106,9 +112,13 @@ class FakeRunner:
                 rows = self._prompt_logprob_rows(state, num_tokens)
                 if rows is not None:
                     mro.prompt_logprobs[req_id] = rows
-            sampled = self._compute(req_id, state, num_tokens)
+            drafts = output.scheduled_spec_token_ids.get(req_id, [])
+            sampled = self._compute(req_id, state, num_tokens, drafts)
             if sampled and state.sampling_params.logprobs is not None:
-                mro.logprobs[req_id] = LogprobsLists([sampled], [[-0.25]], [1])
+                n = len(sampled)
+                mro.logprobs[req_id] = LogprobsLists([[t] for t in sampled], [[-0.25]] * n, [1] * n)
+            if sampled and self.drafter is not None:
+                mro.spec_token_ids[req_id] = self.drafter(req_id, list(state.token_ids))
             mro.req_ids.append(req_id)
             mro.sampled_token_ids.append(sampled)
         return mro
@@ -125,16 +135,25 @@ class FakeRunner:
             [[state.token_ids[p]] for p in positions], [[-1.0] for _ in positions], positions
         )
 
-    def _compute(self, req_id: str, state: _RunnerState, num_tokens: int) -> list[int]:
+    def _compute(
+        self, req_id: str, state: _RunnerState, num_tokens: int, drafts: list[int]
+    ) -> list[int]:
         assert num_tokens > 0
+        assert not drafts or self.drafter is not None, "drafts scheduled without a drafter"
         state.num_computed_tokens += num_tokens
-        assert state.num_computed_tokens <= len(state.token_ids), "computed an unknown token"
+        known = len(state.token_ids)
+        assert state.num_computed_tokens <= known + len(drafts), "computed an unknown token"
+        assert not drafts or state.num_computed_tokens == known + len(drafts), "drafts mid-prefill"
         assert len(state.block_ids) * self.block_size >= state.num_computed_tokens, "no slot"
-        if state.num_computed_tokens < len(state.token_ids):
+        if state.num_computed_tokens < known:
             return []  # A prefill chunk short of the end: nothing to sample.
-        token = self.next_token(req_id, state.token_ids)
-        state.token_ids.append(token)
-        return [token]
+        sampled = [
+            self.next_token(req_id, state.token_ids + drafts[:i]) for i in range(len(drafts) + 1)
+        ]
+        kept = accept_drafts(sampled, drafts)
+        state.num_computed_tokens -= len(drafts) + 1 - len(kept)
+        state.token_ids.extend(kept)
+        return kept
 
 
 @dataclass

@@ -66,6 +66,8 @@ class Request:
         """Async scheduling: tokens sampled by a step still in flight, counted before known."""
         self.num_prompt_logprob_rows = 0
         """Prompt-logprob rows already returned, so a recompute after preemption sends none twice."""
+        self.spec_token_ids: list[int] = []
+        """Speculative decoding: drafts proposed for the request's next step."""
         self.grammar: Future | None = None
         """Structured outputs: the compile of the request's grammar, started on arrival; the
         scheduler admits the request once it is done (the runner never waits on a compile)."""

@@ -48,6 +48,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests finished, aborted or preempted since the last step: the runner drops their state."""
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: the draft tokens each request verifies this step, after its last
+    known token (counted in its num_scheduled_tokens)."""
 
     @property
     def is_empty(self) -> bool:
@@ -60,10 +63,13 @@ class ModelRunnerOutput:
     """The requests of the step, in the order of the rows below."""
     sampled_token_ids: list[list[int]]
     """Tokens sampled for each request: empty for a prefill chunk that does not reach the end of
-    the known tokens (its sample would be meaningless), one token otherwise."""
+    the known tokens (its sample would be meaningless), one token otherwise, or with drafts the
+    accepted ones and the token after them (1 to drafts + 1)."""
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-    """Log-probabilities of the sampled token (one row), for each request that asked for them
-    and sampled this step."""
+    """Log-probabilities of the sampled tokens (one row each), for each request that asked for
+    them and sampled this step."""
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     """Prompt log-probabilities computed this step, per request (one row per prompt position
     scored, for the positions covered by this step's chunk)."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: drafts proposed for each request's next step."""

@@ -13,6 +13,11 @@ Async scheduling: with `async_scheduling`, a request granted the tokens that mak
 counts one placeholder output token at once, so step N+1 can schedule its decode before step N's
 token is known (the runner feeds it on the device). The token replaces the placeholder in
 `update_from_output`; a request that stops there has its in-flight surplus token dropped.
+
+Speculative decoding: a decoding request with drafts (`Request.spec_token_ids`, proposed by the
+runner with the previous step's output) is granted its last token plus the drafts that fit the
+budget, max_tokens and max_model_len. When the step's output arrives, the rejected drafts leave
+`num_computed_tokens` again: their K/V slots are simply written over later.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         """Requests the runner holds state for that ended since the last schedule()."""
         self._num_preempted_since_stats = 0
+        self._spec_stats = [0, 0, 0]
+        """Since the last stats: verify steps with drafts, draft tokens, accepted tokens."""
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -99,6 +106,7 @@ class Scheduler:
             num_scheduled_tokens=plan.num_scheduled_tokens,
             total_num_scheduled_tokens=self.max_num_batched_tokens - plan.budget,
             finished_req_ids=self.finished_req_ids,
+            scheduled_spec_token_ids=plan.spec_token_ids,
         )
         self.finished_req_ids = set()
         return output
@@ -115,9 +123,14 @@ class Scheduler:
                 continue  # Aborted after the step was scheduled.
             if sampled:
                 request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
-            new_token_ids = self._append_new_tokens(request, sampled)
             num_scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             chunk_start = request.num_computed_tokens - num_scheduled  # schedule() advanced it
+            drafts = scheduler_output.scheduled_spec_token_ids.get(req_id)
+            if drafts:
+                self._settle_drafts(request, len(drafts), len(sampled))
+            new_token_ids = self._append_new_tokens(request, sampled)
+            if not request.is_finished:
+                request.spec_token_ids = mro.spec_token_ids.get(req_id, [])
             prompt_logprobs = take_new_prompt_logprobs(
                 request, mro.prompt_logprobs.get(req_id), chunk_start
             )
@@ -188,8 +201,12 @@ class Scheduler:
             prefix_cache_queries=prefix_stats.queries,
             prefix_cache_hits=prefix_stats.hits,
             num_preempted_reqs=self._num_preempted_since_stats,
+            spec_num_drafts=self._spec_stats[0],
+            spec_num_draft_tokens=self._spec_stats[1],
+            spec_num_accepted_tokens=self._spec_stats[2],
         )
         self._num_preempted_since_stats = 0
+        self._spec_stats = [0, 0, 0]
         return stats
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -199,6 +216,8 @@ class Scheduler:
             num_new_tokens = min(
                 self._num_remaining_tokens(request, request.num_computed_tokens), plan.budget
             )
+            drafts = self._drafts_that_fit(request, num_new_tokens, plan.budget)
+            num_new_tokens += len(drafts)
             if num_new_tokens > 0:
                 new_blocks = self._allocate_or_preempt(request, num_new_tokens, plan)
                 if new_blocks is None:
@@ -211,7 +230,32 @@ class Scheduler:
                     )
                 )
                 plan.grant(request, num_new_tokens)
+                if drafts:
+                    plan.spec_token_ids[request.request_id] = drafts
+                request.spec_token_ids = []
             index += 1
+
+    def _drafts_that_fit(self, request: Request, num_new_tokens: int, budget: int) -> list[int]:
+        """The request's drafts to verify this step: only after its one last known token (a
+        decode), and no more than the budget, max_tokens and max_model_len leave room for (all
+        drafts accepted, the step yields drafts + 1 tokens)."""
+        drafts = request.spec_token_ids
+        if not drafts or num_new_tokens != 1:
+            return []
+        room = min(budget - 1, self.max_model_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return drafts[: max(room, 0)]
+
+    def _settle_drafts(self, request: Request, num_drafts: int, num_sampled: int) -> None:
+        """A verify step's outcome: `num_sampled - 1` drafts were accepted (the last sampled
+        token is the one after them); the rejected ones' K/V no longer counts as computed."""
+        assert 1 <= num_sampled <= num_drafts + 1, (request.request_id, num_drafts, num_sampled)
+        request.num_computed_tokens -= num_drafts + 1 - num_sampled
+        self._spec_stats[0] += 1
+        self._spec_stats[1] += num_drafts
+        self._spec_stats[2] += num_sampled - 1
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, plan: _StepPlan
@@ -237,6 +281,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0
+        request.spec_token_ids = []
         self.waiting.appendleft(request)
         self.finished_req_ids.add(request.request_id)
         self._num_preempted_since_stats += 1
@@ -341,6 +386,7 @@ class _StepPlan:
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     num_preempted: int = 0
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def grant(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens

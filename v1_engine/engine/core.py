@@ -103,6 +103,11 @@ class EngineCore:
 
 
 def _use_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
-    """On by default where the device runs asynchronously to the host (CUDA)."""
+    """On by default where the device runs asynchronously to the host (CUDA); off with
+    speculative decoding, whose next drafts wait for this step's accepted tokens."""
     requested = config.scheduler_config.async_scheduling
+    if config.speculative_config.enabled:
+        if requested is None and device.type == "cuda":
+            logger.info("speculative decoding: async scheduling off (each step is settled first)")
+        return False
     return device.type == "cuda" if requested is None else requested

@@ -150,6 +150,15 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "CPU)",
     )
     group.add_argument(
+        "--speculative-config",
+        dest="speculative_config",
+        type=json_object_value,
+        default=None,
+        help="speculative decoding as a JSON object of SpeculativeConfig fields, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt lookup: drafts copied from '
+        "earlier in the request; greedy output is unchanged) (default: off)",
+    )
+    group.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run the model eagerly: no torch.compile, no CUDA graphs",
@@ -195,6 +204,17 @@ def compilation_value(text: str) -> int | dict[str, Any]:
     return value
 
 
+def json_object_value(text: str) -> dict[str, Any]:
+    """A flag whose value is a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The AsyncEngine keyword arguments of the parsed flags; unset ones keep engine defaults."""
     kwargs: dict[str, Any] = {
@@ -215,6 +235,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_memory_utilization",
         "async_scheduling",
         "compilation_config",
+        "speculative_config",
         "quantization",
         "attention_backend",
     )

@@ -90,6 +90,15 @@ class PrometheusStatLogger(StatLoggerBase):
             "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
         self.num_preemptions = counter("num_preemptions", "Requests preempted by the scheduler.")
+        self.spec_num_drafts = counter(
+            "spec_decode_num_drafts", "Speculative decoding: requests' verify steps with drafts."
+        )
+        self.spec_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."
+        )
+        self.spec_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests served.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         success = Counter(
@@ -128,6 +137,9 @@ class PrometheusStatLogger(StatLoggerBase):
         self.prefix_cache_queries.inc(stats.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preempted_reqs)
+        self.spec_num_drafts.inc(stats.spec_num_drafts)
+        self.spec_num_draft_tokens.inc(stats.spec_num_draft_tokens)
+        self.spec_num_accepted_tokens.inc(stats.spec_num_accepted_tokens)
 
     def _record_output(self, output: RequestOutput, now: float) -> None:
         if output.request_id not in self._seen_prompts:

@@ -98,6 +98,21 @@ class InputBatch:
         self.num_tokens[row] = position + 1
         return position
 
+    def write_drafts(self, req_id: str, drafts: list[int]) -> None:
+        """Speculative decoding: a step's drafts after the request's known tokens (not counted
+        in num_tokens: `append_tokens` writes over them with what is accepted)."""
+        row = self.req_id_to_row[req_id]
+        n = int(self.num_tokens[row])
+        self.token_ids[row, n : n + len(drafts)] = drafts
+
+    def append_tokens(self, req_id: str, token_ids: list[int]) -> None:
+        """Append tokens known on the host (a verify step's accepted ones)."""
+        row = self.req_id_to_row[req_id]
+        n = int(self.num_tokens[row])
+        self.token_ids[row, n : n + len(token_ids)] = token_ids
+        self.num_tokens[row] = n + len(token_ids)
+        self.states[req_id].output_token_ids.extend(token_ids)
+
     def set_token(self, req_id: str, position: int, token_id: int) -> None:
         """Fill in a placeholder once its value reached the host (no-op if the request left)."""
         row = self.req_id_to_row.get(req_id)

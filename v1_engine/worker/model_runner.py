@@ -27,6 +27,8 @@ from v1_engine.sample.logprobs import compute_prompt_logprobs
 from v1_engine.sample.metadata import SamplingMetadata
 from v1_engine.sample.sampler import Sampler
 from v1_engine.sampling_params import SamplingParams
+from v1_engine.spec_decode.ngram import NgramProposer
+from v1_engine.spec_decode.verify import accept_drafts
 from v1_engine.structured_output import (
     GrammarCompilerService,
     RequestGrammar,
@@ -89,6 +91,15 @@ class ModelRunner:
         """The model forward as steps call it: the model itself, or its compiled form."""
         self.attn_backend = get_attn_backend(device, config.cache_config.attention_backend)
         self.sampler = Sampler()
+        spec = config.speculative_config
+        self._proposer: NgramProposer | None = None
+        """Speculative decoding's drafter; with it each step is settled at launch (the next
+        step's drafts depend on which of this step's were accepted)."""
+        if spec.enabled:
+            assert spec.num_speculative_tokens is not None
+            self._proposer = NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
         self._grammar_compiler: GrammarCompilerService | None = None
         """Compiles structured-output specs; made at the first request that has one."""
         self.input_batch = InputBatch(
@@ -364,6 +375,8 @@ class ModelRunner:
             row = batch.req_id_to_row[cached.req_id]
             assert batch.num_computed_tokens[row] == cached.num_computed_tokens, cached.req_id
             batch.append_blocks(row, cached.new_block_ids)
+        for req_id, drafts in so.scheduled_spec_token_ids.items():
+            batch.write_drafts(req_id, drafts)
 
     def _prepare_inputs(self, so: SchedulerOutput, req_ids: list[str]) -> StepInputs:
         return prepare_step_inputs(
@@ -400,7 +413,10 @@ class ModelRunner:
         else:
             sampled_hidden = hidden[inputs.logits_idx]
         logits = self.model.compute_logits(sampled_hidden)
-        out = self.sampler(logits, self._sampling_metadata(sample_req_ids))
+        if self._proposer is not None:
+            return self._verify_and_propose(so, req_ids, sample_req_ids, logits, prompt_logprobs)
+        states = [batch.states[r] for r in sample_req_ids]
+        out = self.sampler(logits, self._sampling_metadata(states))
         pending = PendingTokens(
             req_ids=sample_req_ids,
             positions=[batch.add_placeholder(int(rows[i])) for i in sample_idx],
@@ -415,6 +431,74 @@ class ModelRunner:
             num_logprobs=[batch.states[r].sampling_params.logprobs for r in sample_req_ids],
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _verify_and_propose(
+        self,
+        so: SchedulerOutput,
+        req_ids: list[str],
+        sample_req_ids: list[str],
+        logits: torch.Tensor,
+        prompt_logprobs: dict[str, LogprobsLists],
+    ) -> StepOutput:
+        """Speculative decoding: sample every position of each request's drafts, keep what the
+        drafts got right (spec_decode/verify.py), settle the batch state and propose the next
+        drafts. Settled at once, so the step's tokens are on the host when it returns."""
+        batch = self.input_batch
+        spec = so.scheduled_spec_token_ids
+        states, outputs = [], []
+        for req_id in sample_req_ids:
+            state = batch.states[req_id]
+            drafts = spec.get(req_id, [])
+            # Position i of the verify has drafts[:i] as outputs (penalties, min_tokens).
+            for i in range(len(drafts) + 1):
+                states.append(state)
+                outputs.append(state.output_token_ids + drafts[:i] if i else state.output_token_ids)
+        out = self.sampler(logits, self._sampling_metadata(states, outputs))
+        tokens = out.sampled_token_ids.tolist()  # the step's one wait for the device
+        accepted: dict[str, list[int]] = {}
+        first_rows: list[int] = []
+        next_drafts: dict[str, list[int]] = {}
+        start = 0
+        for req_id in sample_req_ids:
+            drafts = spec.get(req_id, [])
+            kept = accept_drafts(tokens[start : start + len(drafts) + 1], drafts)
+            first_rows.append(start)
+            start += len(drafts) + 1
+            row = batch.req_id_to_row[req_id]
+            batch.num_computed_tokens[row] -= len(drafts) + 1 - len(kept)
+            batch.append_tokens(req_id, kept)
+            accepted[req_id] = kept
+            proposal = self._propose(req_id)
+            if proposal:
+                next_drafts[req_id] = proposal
+        return StepOutput(
+            req_ids=req_ids,
+            sampled=None,
+            logprobs=out.logprobs,
+            num_logprobs=[batch.states[r].sampling_params.logprobs for r in sample_req_ids],
+            prompt_logprobs=prompt_logprobs,
+            accepted=accepted,
+            first_rows=first_rows,
+            spec_token_ids=next_drafts,
+        )
+
+    def _propose(self, req_id: str) -> list[int]:
+        """Drafts for the request's next step; none for a grammar-constrained request (its
+        bitmask is built for one position a step) and none past max_tokens or max_model_len."""
+        assert self._proposer is not None
+        batch = self.input_batch
+        state = batch.states[req_id]
+        if state.grammar is not None:
+            return []
+        row = batch.req_id_to_row[req_id]
+        num_tokens = int(batch.num_tokens[row])
+        room = self.max_model_len - num_tokens - 1
+        max_tokens = state.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - len(state.output_token_ids) - 1)
+        if room < 1:
+            return []
+        return self._proposer.propose(batch.token_ids[row, :num_tokens], room)
 
     def _run_forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the step: a decode graph, piecewise graphs, or the plain forward.
@@ -468,29 +552,36 @@ class ModelRunner:
             return None
         return RequestGrammar(self.submit_grammar(params.structured_outputs), eos_token_id)
 
-    def _grammar_bitmask(self, states: list[CachedRequestState]) -> torch.Tensor | None:
+    def _grammar_bitmask(
+        self, states: list[CachedRequestState], outputs: list[list[int]]
+    ) -> torch.Tensor | None:
         """The rows' allowed tokens ([N, ceil(V / 32)] int32 on the device) when any row is
         constrained; their newest tokens are on the host by now (_resolve_pending)."""
         if all(s.grammar is None for s in states):
             return None
         bitmask = allocate_bitmask(len(states), self.vocab_size)
-        for row, state in enumerate(states):
+        for row, (state, output) in enumerate(zip(states, outputs)):
             if state.grammar is not None:
-                state.grammar.fill_bitmask(state.output_token_ids, bitmask, row)
+                state.grammar.fill_bitmask(output, bitmask, row)
         return bitmask.to(self.device, non_blocking=True)
 
-    def _sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
-        states = [self.input_batch.states[r] for r in req_ids]
+    def _sampling_metadata(
+        self, states: list[CachedRequestState], outputs: list[list[int]] | None = None
+    ) -> SamplingMetadata:
+        """The metadata of sampling rows, one per state (a request's, or with drafts one per
+        verified position), with each row's output tokens (default: the request's)."""
+        if outputs is None:
+            outputs = [s.output_token_ids for s in states]
         metadata = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             prompt_token_ids=[s.prompt_token_ids for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
+            output_token_ids=outputs,
             eos_token_ids=[s.eos_token_id for s in states],
             generators=[s.generator for s in states],
             vocab_size=self.vocab_size,
             device=self.device,
         )
-        metadata.grammar_bitmask = self._grammar_bitmask(states)
+        metadata.grammar_bitmask = self._grammar_bitmask(states, outputs)
         return metadata
 
     def _prompt_logprobs(

@@ -28,11 +28,15 @@ class StepInputs:
     seq_lens: np.ndarray
     sample_idx: np.ndarray
     """Scheduled requests that sample a token this step."""
+    num_sample_rows: np.ndarray
+    """Logits rows of each sampling request: 1, or with drafts drafts + 1 (its last known
+    token's position, then each draft's)."""
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
     logits_idx: torch.Tensor
-    """Row of each sampling request's last token in the step's hidden states."""
+    """Rows of the step's hidden states that are sampled: each sampling request's last token
+    (with drafts, its last num_sample_rows tokens)."""
     logits_prefix: int | None
     """n when logits_idx is 0..n-1 (a decode step where every request samples): the sampled
     rows are then hidden[:n], a view, and no gather kernel runs. None otherwise."""
@@ -74,7 +78,15 @@ def prepare_step_inputs(
     # A request samples only when this step reaches the end of its tokens.
     sample_idx = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
     feed_dst, feed_src = _pending_feed_indices(batch, pending, req_ids, computed, cu)
+    num_sample_rows = np.ones(len(sample_idx), dtype=np.int64)
+    spec = so.scheduled_spec_token_ids
+    if spec:
+        num_sample_rows += [len(spec.get(req_ids[i], ())) for i in sample_idx]
     logits_idx = cu[1:][sample_idx] - 1
+    if spec and len(sample_idx):  # each sampling request's last num_sample_rows tokens, in order
+        ends = np.repeat(logits_idx + 1, num_sample_rows)
+        first = np.cumsum(num_sample_rows)
+        logits_idx = ends - np.repeat(first, num_sample_rows) + np.arange(int(first[-1]))
     in_order = np.array_equal(logits_idx, np.arange(len(logits_idx)))
     logits_prefix = len(logits_idx) if in_order else None
     feed_rows = {}
@@ -103,6 +115,7 @@ def prepare_step_inputs(
         cu=cu,
         seq_lens=seq_lens,
         sample_idx=sample_idx,
+        num_sample_rows=num_sample_rows,
         input_ids=staged["input_ids"],
         positions=staged["positions"],
         metadata=_attention_metadata(staged, cu32, seq_lens32, max_query_len),

@@ -51,30 +51,46 @@ class StepOutput:
     sampled: PendingTokens | None
     logprobs: LogprobsTensors | None = None
     num_logprobs: list[int | None] = field(default_factory=list)
+    """Logprobs each sampling request asked for, in sampling order."""
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    accepted: dict[str, list[int]] | None = None
+    """Speculative decoding: each sampling request's kept tokens, already on the host (the
+    step is settled at launch), in sampling order; `sampled` is None then."""
+    first_rows: list[int] = field(default_factory=list)
+    """With `accepted`: each sampling request's first row of the logprobs."""
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: drafts proposed for the next step."""
 
     def get_output(self) -> ModelRunnerOutput:
         sampled_lists: dict[str, list[int]] = {}
-        logprobs: dict[str, LogprobsLists] = {}
-        if self.sampled is not None:
+        first_rows: list[int] = self.first_rows
+        if self.accepted is not None:
+            sampled_lists = self.accepted
+        elif self.sampled is not None:
             tokens = self.sampled.host_tokens()
             sampled_lists = {r: [t] for r, t in zip(self.sampled.req_ids, tokens)}
-            if self.logprobs is not None:
-                lists = self.logprobs.to_lists()
-                for j, (req_id, want) in enumerate(zip(self.sampled.req_ids, self.num_logprobs)):
-                    if want is not None:
-                        logprobs[req_id] = _take_row(lists, j, want)
+            first_rows = list(range(len(tokens)))
+        logprobs: dict[str, LogprobsLists] = {}
+        if self.logprobs is not None:
+            lists = self.logprobs.to_lists()
+            for (req_id, kept), start, want in zip(
+                sampled_lists.items(), first_rows, self.num_logprobs, strict=True
+            ):
+                if want is not None:
+                    logprobs[req_id] = _take_rows(lists, start, len(kept), want)
         return ModelRunnerOutput(
             req_ids=self.req_ids,
             sampled_token_ids=[sampled_lists.get(r, []) for r in self.req_ids],
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            spec_token_ids=self.spec_token_ids,
         )
 
 
-def _take_row(lists: LogprobsLists, row: int, num_logprobs: int) -> LogprobsLists:
+def _take_rows(lists: LogprobsLists, start: int, count: int, num_logprobs: int) -> LogprobsLists:
+    rows = range(start, start + count)
     return LogprobsLists(
-        token_ids=[lists.token_ids[row][: num_logprobs + 1]],
-        logprobs=[lists.logprobs[row][: num_logprobs + 1]],
-        ranks=[lists.ranks[row]],
+        token_ids=[lists.token_ids[r][: num_logprobs + 1] for r in rows],
+        logprobs=[lists.logprobs[r][: num_logprobs + 1] for r in rows],
+        ranks=[lists.ranks[r] for r in rows],
     )

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers and the acceptance of verified drafts."""
