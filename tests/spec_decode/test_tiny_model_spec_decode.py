@@ -1,0 +1,65 @@
+"""Speculative decoding on a tiny random-weight Llama in float32 (so every kernel path agrees to
+the argmax), on the CPU and the GPU: greedy output with n-gram drafts equal to the output without them, with
+verify steps eager (-O0) and through the piecewise CUDA graphs (-O2, where steps without drafts
+replay the full decode graphs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from v1_engine import LLM, SamplingParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(5)
+    prompts = []
+    for n in (3, 9, 17, 40):
+        pattern = torch.randint(10, 1000, (n,), generator=generator).tolist()
+        prompts.append(pattern * 3)  # repeats: drafts are proposed from the start
+    return prompts
+
+
+def _run(llm: LLM) -> list[list[int]]:
+    eos = llm.get_tokenizer().eos_token_id
+    prompts = _prompts() + [[5, 6, 7]]
+    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)] * 4 + [
+        # Forced repeats, EOS held back by min_tokens: drafts are kept.
+        SamplingParams(temperature=0.0, max_tokens=40, logit_bias={eos: 100.0, 77: 60.0}, min_tokens=21)
+    ]  # fmt: skip
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert outputs[-1].outputs[0].token_ids == [77] * 21 + [eos]
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _check(model_dir, **kwargs) -> None:
+    kwargs.update(dtype="float32", max_model_len=256, num_kv_blocks=128, max_num_seqs=16)
+    expected = _run(LLM(str(model_dir), **kwargs))
+    llm = LLM(str(model_dir), speculative_config=SPEC, **kwargs)
+    scheduler = llm.engine_core.scheduler
+    totals = [0, 0]
+    original = scheduler.make_stats
+
+    def counting():
+        stats = original()
+        totals[0] += stats.spec_num_draft_tokens
+        totals[1] += stats.spec_num_accepted_tokens
+        return stats
+
+    scheduler.make_stats = counting
+    assert _run(llm) == expected
+    assert totals[1] > 15 and totals[0] >= totals[1]
+    assert scheduler.kv_cache_manager.num_free_blocks == 128
+
+
+def test_drafts_leave_greedy_output_unchanged_on_the_cpu(tiny_llama_dir):
+    _check(tiny_llama_dir)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", [0, 2])
+def test_drafts_leave_greedy_output_unchanged_on_the_gpu(tiny_llama_dir, level):
+    assert torch.cuda.is_available()
+    _check(tiny_llama_dir, compilation_config=level)
