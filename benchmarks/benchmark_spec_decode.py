@@ -1,0 +1,150 @@
+"""Speculative decoding with n-gram drafts: what it gains, and what it costs where drafts miss.
+
+The offline LLM on the default model (or --model), greedy, two workloads of chat prompts:
+- "edit": rewrite / fix / annotate a given piece of code or text, where the answer copies long
+  runs of the prompt (prompt lookup's case);
+- "open": open questions, where little repeats.
+Each workload runs without drafts and with ngram drafts of each --k, alternating --rounds times
+(the best round is reported): output tokens/s, its ratio to no drafts measured in the same run,
+draft tokens kept (acceptance rate), tokens per verify step, and whether every output equals the
+output without drafts (it must: greedy output is unchanged).
+
+    python benchmarks/benchmark_spec_decode.py --rounds 2
+    python benchmarks/benchmark_spec_decode.py --batch 1 --rounds 2
+
+Copy the table into benchmarks/RESULTS.md with the date, commit and machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from v1_engine import LLM, SamplingParams
+
+SNIPPETS = [
+    "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(xs)\n",
+    (
+        "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+        "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n"
+    ),
+    (
+        "def is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n"
+        "        if n % d == 0:\n            return False\n    return True\n"
+    ),
+    (
+        "def fizzbuzz(n):\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n            print('FizzBuzz')\n"
+        "        elif i % 3 == 0:\n            print('Fizz')\n        elif i % 5 == 0:\n"
+        "            print('Buzz')\n        else:\n            print(i)\n"
+    ),
+]
+TEXTS = [
+    (
+        "The meeting is moved to Thursday at 3 pm in room 204. Please bring the quarterly report, "
+        "the budget draft and your laptop. Lunch will be provided for everyone who confirms by Monday."
+    ),
+    (
+        "Our store opens at 9 am and closes at 6 pm from Monday to Friday. On Saturday we open at "
+        "10 am and close at 4 pm. We are closed on Sunday and on public holidays."
+    ),
+]
+EDIT_TASKS = [
+    "Add type hints to this Python code and return the whole code:\n\n{}",
+    "Add a docstring to every function in this code and return the whole code:\n\n{}",
+    "Rename the variables in this code to longer names and return the whole code:\n\n{}",
+    "Fix the style of this code and return it:\n\n{}",
+]
+TEXT_TASKS = [
+    "Correct the grammar of this text and return it in full:\n\n{}",
+    "Repeat this text exactly, then translate it into French:\n\n{}",
+]
+OPEN = [
+    "Why is the sky blue?",
+    "Give me three tips for a job interview.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a short poem about autumn.",
+    "How do vaccines work?",
+    "Explain recursion to a child.",
+    "What should I pack for a weekend hike?",
+    "Describe the water cycle.",
+]
+
+
+def workloads(batch: int) -> dict[str, list[list[dict[str, str]]]]:
+    edit = [t.format(s) for t in EDIT_TASKS for s in SNIPPETS]
+    edit += [t.format(s) for t in TEXT_TASKS for s in TEXTS]
+    return {
+        "edit": [[{"role": "user", "content": p}] for p in (edit * batch)[:batch]],
+        "open": [[{"role": "user", "content": p}] for p in (OPEN * batch)[:batch]],
+    }
+
+
+class Counter:
+    def __init__(self, llm: LLM) -> None:
+        self.drafts = self.draft_tokens = self.accepted = 0
+        scheduler = llm.engine_core.scheduler
+        original = scheduler.make_stats
+
+        def counting():
+            stats = original()
+            self.drafts += stats.spec_num_drafts
+            self.draft_tokens += stats.spec_num_draft_tokens
+            self.accepted += stats.spec_num_accepted_tokens
+            return stats
+
+        scheduler.make_stats = counting
+
+
+def run(llm: LLM, conversations, params) -> tuple[float, list[list[int]], Counter]:
+    counter = Counter(llm)
+    start = time.perf_counter()
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return elapsed, [o.outputs[0].token_ids for o in outputs], counter
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model (default: the embedded default)")
+    parser.add_argument("--k", type=int, nargs="+", default=[2, 4], help="draft tokens per step")
+    parser.add_argument("--batch", type=int, default=16, help="conversations per generate call")
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    args = parser.parse_args()
+
+    common = {"model": args.model, "max_model_len": args.max_model_len}
+    engines = {0: LLM(**common)}
+    for k in args.k:
+        spec = {"method": "ngram", "num_speculative_tokens": k}
+        engines[k] = LLM(speculative_config=spec, **common)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+
+    print(f"\nbatch {args.batch}, greedy, up to {args.max_tokens} tokens, best of {args.rounds}")
+    print("| workload | drafts (k) | output tok/s | vs none | kept drafts | tokens / verify "
+          "| outputs equal |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for name, conversations in workloads(args.batch).items():
+        best: dict[int, float] = {}
+        tokens: dict[int, list[list[int]]] = {}
+        counters: dict[int, Counter] = {}
+        for _ in range(args.rounds):
+            for k, llm in engines.items():
+                elapsed, out, counter = run(llm, conversations, params)
+                rate = sum(map(len, out)) / elapsed
+                if rate > best.get(k, 0.0):
+                    best[k], tokens[k], counters[k] = rate, out, counter
+        for k in engines:
+            c = counters[k]
+            kept = f"{c.accepted / c.draft_tokens:.0%}" if c.draft_tokens else "-"
+            # Every step of a drafted request yields kept + 1 tokens.
+            per_verify = f"{(c.accepted + c.drafts) / c.drafts:.2f}" if c.drafts else "-"
+            equal = "yes" if tokens[k] == tokens[0] else "NO"
+            print(
+                f"| {name} | {k or 'none'} | {best[k]:.1f} | {best[k] / best[0]:.2f}x | {kept} "
+                f"| {per_verify} | {equal} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
