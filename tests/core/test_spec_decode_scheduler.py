@@ -39,7 +39,7 @@ def run(core, requests, drafter=None, **scheduler_kwargs):
 
 
 def test_right_drafts_yield_five_tokens_a_step(core):
-    scheduler, transcript = run(core, [core.make_request("a", 10, max_tokens=11)], oracle(core))
+    _, transcript = run(core, [core.make_request("a", 10, max_tokens=11)], oracle(core))
     _, plain = run(core, [core.make_request("a", 10, max_tokens=11)])
     assert transcript.tokens == plain.tokens
     steps = [scheduled(so) for so, _ in transcript.steps]

@@ -5,6 +5,8 @@ replay the full decode graphs)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -63,3 +65,41 @@ def test_drafts_leave_greedy_output_unchanged_on_the_cpu(tiny_llama_dir):
 def test_drafts_leave_greedy_output_unchanged_on_the_gpu(tiny_llama_dir, level):
     assert torch.cuda.is_available()
     _check(tiny_llama_dir, compilation_config=level)
+
+
+def test_random_sampling_keeps_its_distribution(tiny_llama_dir):
+    """Two allowed tokens at temperature 1: each position is a coin the model biases. Over 400
+    seeded requests, drafts (proposed from a single repeated token on) must leave the statistics
+    of the output as they are without drafts: how often each token comes, and how often a token
+    repeats the one before it (what accepting wrong drafts would inflate)."""
+    a, b = 300, 301
+    stats = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
+        llm = LLM(
+            str(tiny_llama_dir),
+            dtype="float32",
+            max_model_len=64,
+            num_kv_blocks=512,
+            max_num_seqs=128,
+            speculative_config=spec,
+        )
+        params = [
+            SamplingParams(
+                temperature=1.0,
+                seed=i,
+                max_tokens=16,
+                allowed_token_ids=[a, b],
+                frequency_penalty=1.0,
+            )
+            for i in range(400)
+        ]
+        outputs = llm.generate([[5, 6, 7, 8]] * 400, params, use_tqdm=False)
+        seqs = [o.outputs[0].token_ids for o in outputs]
+        assert all(len(s) == 16 and set(s) <= {a, b} for s in seqs)
+        share_a = sum(s.count(a) for s in seqs) / (400 * 16)
+        repeats = sum(x == y for s in seqs for x, y in itertools.pairwise(s)) / (400 * 15)
+        stats.append((share_a, repeats))
+    (share_plain, repeats_plain), (share_spec, repeats_spec) = stats
+    assert 0.1 < share_plain < 0.9  # the coin is not all one side
+    assert share_spec == pytest.approx(share_plain, abs=0.04)
+    assert repeats_spec == pytest.approx(repeats_plain, abs=0.04)
