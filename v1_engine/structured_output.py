@@ -218,6 +218,50 @@ class RequestGrammar:
         A grammar that failed to compile (the front-end parsed it, so this is not expected)
         allows only EOS: the request ends at once, and the engine keeps serving. So does a
         matcher that has accepted its stop token (a step async scheduling planned early)."""
+        if not self._catch_up(output_token_ids):
+            self._only_eos(bitmask, row)
+            return
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def fill_bitmasks(
+        self, output_token_ids: list[int], drafts: list[int], bitmask: torch.Tensor, row: int
+    ) -> None:
+        """A verify step's rows row .. row + len(drafts): the allowed tokens after the outputs,
+        then after each draft in turn. The drafts are accepted only for this and rolled back.
+        After a draft the grammar refuses, the rows are left as they are: the row before it
+        cannot sample that draft, so the verify never reads them."""
+        self.fill_bitmask(output_token_ids, bitmask, row)
+        if not drafts or self._matcher is None or self._matcher.is_terminated():
+            return
+        num_accepted = 0
+        for i, draft in enumerate(drafts):
+            if not self._matcher.accept_token(draft):
+                break
+            num_accepted += 1
+            if self._matcher.is_terminated():
+                self._only_eos(bitmask, row + i + 1)
+                break
+            self._matcher.fill_next_token_bitmask(bitmask, row + i + 1)
+        if num_accepted:
+            self._matcher.rollback(num_accepted)
+
+    def valid_prefix(self, output_token_ids: list[int], drafts: list[int]) -> list[int]:
+        """The drafts the grammar allows after the outputs, up to the first one it refuses
+        (speculative decoding does not verify what could never be kept)."""
+        if not drafts or not self._catch_up(output_token_ids):
+            return []
+        num_accepted = 0
+        for draft in drafts:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(draft):
+                break
+            num_accepted += 1
+        if num_accepted:
+            self._matcher.rollback(num_accepted)
+        return drafts[:num_accepted]
+
+    def _catch_up(self, output_token_ids: list[int]) -> bool:
+        """Make the matcher and accept the outputs it has not seen; False when there is no
+        mask to give (the compile failed, or the matcher has accepted its stop token)."""
         if self._matcher is None and not self._failed:
             try:
                 self._matcher = _xgrammar().GrammarMatcher(self._compiled.result())
@@ -225,21 +269,17 @@ class RequestGrammar:
                 logger.exception("structured output: the grammar failed to compile")
                 self._failed = True
         if self._failed:
-            self._only_eos(bitmask, row)
-            return
+            return False
         for token_id in output_token_ids[self.num_accepted :]:
             if self._matcher.is_terminated():
                 break
             if not self._matcher.accept_token(token_id):
                 logger.warning("token %d does not match the request's grammar", token_id)
             self.num_accepted += 1
-        if self._matcher.is_terminated():
-            # The stop token was accepted, yet the request is sampled again: async scheduling
-            # planned this step before the scheduler saw that token. The scheduler drops what
-            # this step samples; a matcher past its end has no mask to give.
-            self._only_eos(bitmask, row)
-            return
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        # A terminated matcher: the stop token was accepted, yet the request is sampled again
+        # (async scheduling planned this step before the scheduler saw that token). The
+        # scheduler drops what this step samples; a matcher past its end has no mask to give.
+        return not self._matcher.is_terminated()
 
     def _only_eos(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` allows only EOS (every token where the request has no EOS id)."""

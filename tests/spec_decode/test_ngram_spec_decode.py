@@ -232,30 +232,44 @@ def test_seeded_sampling_does_not_depend_on_the_batch(spec):
     assert counter.accepted > 0
 
 
-def test_a_grammar_request_gets_no_drafts_and_its_constraint_holds(spec):
+def test_grammar_requests_verify_only_drafts_their_grammar_allows(plain, spec):
+    """A constrained request is drafted too (the drafts cut where its grammar refuses them, the
+    matcher rolled back after each verify); output and constraint as without drafts."""
     scheduler = spec.engine_core.scheduler
-    drafted: set[str] = set()
+    drafted: dict[str, int] = {}
     original = scheduler.schedule
 
     def recording():
         output = original()
-        drafted.update(output.scheduled_spec_token_ids)
+        for req_id, drafts in output.scheduled_spec_token_ids.items():
+            drafted[req_id] = drafted.get(req_id, 0) + len(drafts)
         return output
 
+    so = StructuredOutputsParams
+    regex = r"(def [a-z]{3}\(\): pass\n){4}"
+    item = {
+        "type": "object",
+        "properties": {"fruit": {"enum": ["apple", "pear"]}, "ripe": {"type": "boolean"}},
+        "required": ["fruit", "ripe"],
+    }
+    schema = {"type": "array", "items": item, "minItems": 4, "maxItems": 4}
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=so(regex=regex)),
+        SamplingParams(temperature=0.0, max_tokens=140, structured_outputs=so(json=schema)),
+        SamplingParams(temperature=0.0, max_tokens=40),
+    ]
+    expected = plain.generate(PROMPTS[:3], params, use_tqdm=False)
     scheduler.schedule = recording
     try:
-        constrained = SamplingParams(
-            temperature=0.0,
-            max_tokens=40,
-            structured_outputs=StructuredOutputsParams(regex=r"(def [a-z]{3}\(\): pass\n){3}"),
-        )
-        free = SamplingParams(temperature=0.0, max_tokens=40)
-        outputs = spec.generate(PROMPTS[:2], [constrained, free], use_tqdm=False)
+        outputs = spec.generate(PROMPTS[:3], params, use_tqdm=False)
     finally:
         scheduler.schedule = original
-    assert re.fullmatch(r"(def [a-z]{3}\(\): pass\n){3}", outputs[0].outputs[0].text)
-    assert outputs[0].request_id not in drafted
-    assert outputs[1].request_id in drafted
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert re.fullmatch(regex, outputs[0].outputs[0].text)
+    fruits = json.loads(outputs[1].outputs[0].text)
+    assert len(fruits) == 4 and all(set(f) == {"fruit", "ripe"} for f in fruits)
+    assert drafted.get(outputs[0].request_id, 0) > 0
+    assert drafted.get(outputs[1].request_id, 0) > 0
 
 
 # --- the default model in an engine-core process -----------------------------------------------

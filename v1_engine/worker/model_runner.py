@@ -445,15 +445,10 @@ class ModelRunner:
         drafts. Settled at once, so the step's tokens are on the host when it returns."""
         batch = self.input_batch
         spec = so.scheduled_spec_token_ids
-        states, outputs = [], []
-        for req_id in sample_req_ids:
-            state = batch.states[req_id]
-            drafts = spec.get(req_id, [])
-            # Position i of the verify has drafts[:i] as outputs (penalties, min_tokens).
-            for i in range(len(drafts) + 1):
-                states.append(state)
-                outputs.append(state.output_token_ids + drafts[:i] if i else state.output_token_ids)
-        out = self.sampler(logits, self._sampling_metadata(states, outputs))
+        states = [batch.states[r] for r in sample_req_ids]
+        out = self.sampler(
+            logits, self._sampling_metadata(states, [spec.get(r, []) for r in sample_req_ids])
+        )
         tokens = out.sampled_token_ids.tolist()  # the step's one wait for the device
         accepted: dict[str, list[int]] = {}
         first_rows: list[int] = []
@@ -483,13 +478,11 @@ class ModelRunner:
         )
 
     def _propose(self, req_id: str) -> list[int]:
-        """Drafts for the request's next step; none for a grammar-constrained request (its
-        bitmask is built for one position a step) and none past max_tokens or max_model_len."""
+        """Drafts for the request's next step: none past max_tokens or max_model_len, and for a
+        grammar-constrained request only those its grammar allows."""
         assert self._proposer is not None
         batch = self.input_batch
         state = batch.states[req_id]
-        if state.grammar is not None:
-            return []
         row = batch.req_id_to_row[req_id]
         num_tokens = int(batch.num_tokens[row])
         room = self.max_model_len - num_tokens - 1
@@ -498,7 +491,10 @@ class ModelRunner:
             room = min(room, max_tokens - len(state.output_token_ids) - 1)
         if room < 1:
             return []
-        return self._proposer.propose(batch.token_ids[row, :num_tokens], room)
+        drafts = self._proposer.propose(batch.token_ids[row, :num_tokens], room)
+        if state.grammar is not None:
+            drafts = state.grammar.valid_prefix(state.output_token_ids, drafts)
+        return drafts
 
     def _run_forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the step: a decode graph, piecewise graphs, or the plain forward.
@@ -553,35 +549,47 @@ class ModelRunner:
         return RequestGrammar(self.submit_grammar(params.structured_outputs), eos_token_id)
 
     def _grammar_bitmask(
-        self, states: list[CachedRequestState], outputs: list[list[int]]
+        self, states: list[CachedRequestState], drafts: list[list[int]] | None
     ) -> torch.Tensor | None:
-        """The rows' allowed tokens ([N, ceil(V / 32)] int32 on the device) when any row is
-        constrained; their newest tokens are on the host by now (_resolve_pending)."""
+        """The sampling rows' allowed tokens ([rows, ceil(V / 32)] int32 on the device) when any
+        request is constrained; their newest tokens are on the host by now (_resolve_pending).
+        With drafts, a request's rows are its verify positions (RequestGrammar.fill_bitmasks)."""
         if all(s.grammar is None for s in states):
             return None
-        bitmask = allocate_bitmask(len(states), self.vocab_size)
-        for row, (state, output) in enumerate(zip(states, outputs)):
+        num_rows = len(states) + (sum(map(len, drafts)) if drafts is not None else 0)
+        bitmask = allocate_bitmask(num_rows, self.vocab_size)
+        row = 0
+        for i, state in enumerate(states):
+            request_drafts = drafts[i] if drafts is not None else []
             if state.grammar is not None:
-                state.grammar.fill_bitmask(output, bitmask, row)
+                state.grammar.fill_bitmasks(state.output_token_ids, request_drafts, bitmask, row)
+            row += len(request_drafts) + 1
         return bitmask.to(self.device, non_blocking=True)
 
     def _sampling_metadata(
-        self, states: list[CachedRequestState], outputs: list[list[int]] | None = None
+        self, states: list[CachedRequestState], drafts: list[list[int]] | None = None
     ) -> SamplingMetadata:
-        """The metadata of sampling rows, one per state (a request's, or with drafts one per
-        verified position), with each row's output tokens (default: the request's)."""
-        if outputs is None:
-            outputs = [s.output_token_ids for s in states]
+        """The metadata of the sampling requests' rows: one per request or, with `drafts` (one
+        list per request), one per verify position, whose outputs include the drafts before it
+        (penalties and min_tokens read them)."""
+        if drafts is None:
+            row_states, outputs = states, [s.output_token_ids for s in states]
+        else:
+            row_states, outputs = [], []
+            for state, request_drafts in zip(states, drafts, strict=True):
+                for i in range(len(request_drafts) + 1):
+                    row_states.append(state)
+                    outputs.append(state.output_token_ids + request_drafts[:i])
         metadata = SamplingMetadata.build(
-            params=[s.sampling_params for s in states],
-            prompt_token_ids=[s.prompt_token_ids for s in states],
+            params=[s.sampling_params for s in row_states],
+            prompt_token_ids=[s.prompt_token_ids for s in row_states],
             output_token_ids=outputs,
-            eos_token_ids=[s.eos_token_id for s in states],
-            generators=[s.generator for s in states],
+            eos_token_ids=[s.eos_token_id for s in row_states],
+            generators=[s.generator for s in row_states],
             vocab_size=self.vocab_size,
             device=self.device,
         )
-        metadata.grammar_bitmask = self._grammar_bitmask(states, outputs)
+        metadata.grammar_bitmask = self._grammar_bitmask(states, drafts)
         return metadata
 
     def _prompt_logprobs(
