@@ -10,7 +10,7 @@ draft tokens kept (acceptance rate), tokens per verify step, and whether every o
 output without drafts (it must: greedy output is unchanged).
 
     python benchmarks/benchmark_spec_decode.py --rounds 2
-    python benchmarks/benchmark_spec_decode.py --batch 1 --rounds 2
+    python benchmarks/benchmark_spec_decode.py --batch 1 --num-prompts 4 --rounds 2
 
 Copy the table into benchmarks/RESULTS.md with the date, commit and machine.
 """
@@ -95,12 +95,16 @@ class Counter:
         scheduler.make_stats = counting
 
 
-def run(llm: LLM, conversations, params) -> tuple[float, list[list[int]], Counter]:
+def run(llm: LLM, conversations, params, batch: int) -> tuple[float, list[list[int]], Counter]:
+    """The conversations `batch` at a time (one generate call each)."""
     counter = Counter(llm)
+    tokens = []
     start = time.perf_counter()
-    outputs = llm.chat(conversations, params, use_tqdm=False)
+    for i in range(0, len(conversations), batch):
+        outputs = llm.chat(conversations[i : i + batch], params, use_tqdm=False)
+        tokens += [o.outputs[0].token_ids for o in outputs]
     elapsed = time.perf_counter() - start
-    return elapsed, [o.outputs[0].token_ids for o in outputs], counter
+    return elapsed, tokens, counter
 
 
 def main() -> None:
@@ -108,6 +112,9 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model (default: the embedded default)")
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4], help="draft tokens per step")
     parser.add_argument("--batch", type=int, default=16, help="conversations per generate call")
+    parser.add_argument(
+        "--num-prompts", type=int, default=None, help="conversations per workload (default: batch)"
+    )
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -120,17 +127,20 @@ def main() -> None:
         engines[k] = LLM(speculative_config=spec, **common)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
-    print(f"\nbatch {args.batch}, greedy, up to {args.max_tokens} tokens, best of {args.rounds}")
+    print(
+        f"\n{args.num_prompts or args.batch} conversations, {args.batch} at a time, greedy, up to "
+        f"{args.max_tokens} tokens, best of {args.rounds}"
+    )
     print("| workload | drafts (k) | output tok/s | vs none | kept drafts | tokens / verify "
           "| outputs equal |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
-    for name, conversations in workloads(args.batch).items():
+    for name, conversations in workloads(args.num_prompts or args.batch).items():
         best: dict[int, float] = {}
         tokens: dict[int, list[list[int]]] = {}
         counters: dict[int, Counter] = {}
         for _ in range(args.rounds):
             for k, llm in engines.items():
-                elapsed, out, counter = run(llm, conversations, params)
+                elapsed, out, counter = run(llm, conversations, params, args.batch)
                 rate = sum(map(len, out)) / elapsed
                 if rate > best.get(k, 0.0):
                     best[k], tokens[k], counters[k] = rate, out, counter
