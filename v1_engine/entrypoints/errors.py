@@ -66,7 +66,7 @@ def sse_error(error: APIError) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-_LEADING_FIELD = re.compile(r"^([a-z_]+)((?:\.[a-z_]+)*) ")
+_LEADING_FIELD = re.compile(r"^([a-z_]+)((?:\.[a-z_0-9]+)*) ")
 
 
 def from_value_error(error: ValueError, known_fields: set[str]) -> APIError:

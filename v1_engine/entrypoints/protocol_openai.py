@@ -7,6 +7,7 @@ the sampling ranges are checked once, by SamplingParams.verify(), after conversi
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -208,18 +209,100 @@ class TextContentPart(StrictModel):
     text: str
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str
+    """The arguments as a JSON object in text (OpenAI's form)."""
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolCall(ResponseModel):
+    id: str = Field(default_factory=new_call_id)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallMessage(StrictModel):
+    name: str
+    arguments: str
+
+
+class ToolCallMessage(StrictModel):
+    """A tool call of an earlier assistant turn, as a client sends it back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallMessage
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    """An assistant turn's tool calls."""
+    tool_call_id: str | None = None
+    """A tool turn: the call it answers."""
 
-    def flat(self) -> dict[str, str]:
-        """The {'role', 'content'} dict a chat template expects: text parts joined by newlines."""
+    def flat(self) -> dict[str, Any]:
+        """The dict a chat template expects: text parts joined by newlines; tool calls with
+        their arguments as objects (what templates iterate over), the tool turn's call id."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments_object(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
+
+
+def _arguments_object(arguments: str) -> Any:
+    """A tool call's JSON arguments as an object; text that is not JSON stays text."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """The arguments' JSON schema; absent: any JSON object."""
+    strict: bool | None = None
+    """Accepted; the schema is always enforced when the call is forced."""
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -230,6 +313,13 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """"none" (plain text), "required" (one or more calls of the tools), or a named function
+    (one call of it): the calls are enforced by structured outputs. "auto", OpenAI's default
+    when tools are given, needs a per-model tool-call parser and is refused for now."""
+    parallel_tool_calls: bool | None = None
+    """With tool_choice "required": false allows exactly one call."""
 
     def requested_max_tokens(self) -> int | None:
         return (
@@ -239,10 +329,19 @@ class ChatCompletionRequest(SamplingFields):
         )
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        from v1_engine.entrypoints.tool_calls import plan_tools
+
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(
-            max_tokens=max_tokens, logprobs=logprobs, **self.base_sampling_kwargs()
-        )
+        kwargs = self.base_sampling_kwargs()
+        plan = plan_tools(self)
+        if plan.structured is not None:
+            if kwargs["structured_outputs"] is not None:
+                raise ValueError(
+                    "tool_choice conflicts: a forced tool call and another output constraint "
+                    "(response_format, structured_outputs or guided_*) cannot both hold; set one"
+                )
+            kwargs["structured_outputs"] = plan.structured
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
 
 
 def random_id(prefix: str) -> str:
@@ -305,6 +404,19 @@ class ChatChoiceLogprobs(ResponseModel):
 class ChatResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(ResponseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(ResponseModel):
@@ -327,6 +439,7 @@ class ChatCompletionResponse(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(ResponseModel):

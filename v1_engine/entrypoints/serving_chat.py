@@ -20,9 +20,14 @@ from v1_engine.entrypoints.protocol_openai import (
     ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     PromptTokensDetails,
+    ToolCall,
     UsageInfo,
+    new_call_id,
 )
 from v1_engine.entrypoints.serving_engine import (
     SSE_DONE,
@@ -30,6 +35,7 @@ from v1_engine.entrypoints.serving_engine import (
     run_unless_disconnected,
     sse,
 )
+from v1_engine.entrypoints.tool_calls import ToolPlan, parse_required_calls, plan_tools
 from v1_engine.outputs import CompletionOutput, RequestOutput
 from v1_engine.sampling_params import SamplingParams
 
@@ -40,6 +46,8 @@ class ChatChoiceState:
     logprobs: list[ChatTokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    call_id: str | None = None
+    """A named tool call's id, once its first delta went out (streaming)."""
 
 
 @dataclass
@@ -66,20 +74,22 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, body: ChatCompletionRequest, request: Request, request_id: str):
         self.check_request(body)
         token_ids, params = self._prepare(body)
+        plan = plan_tools(body)  # checked by _prepare's sampling params
         response_id = f"chatcmpl-{request_id}"
         if body.stream:
             return StreamingResponse(
-                self._stream(body, token_ids, params, request_id, response_id),
+                self._stream(body, plan, token_ids, params, request_id, response_id),
                 media_type="text/event-stream",
             )
         result = await run_unless_disconnected(
-            request, lambda: self._full(body, token_ids, params, request_id, response_id)
+            request, lambda: self._full(body, plan, token_ids, params, request_id, response_id)
         )
         return JSONResponse(result.model_dump())
 
     def _prepare(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         messages = [m.flat() for m in body.messages]
-        token_ids = self.render_chat(messages, body.add_generation_prompt)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        token_ids = self.render_chat(messages, body.add_generation_prompt, tools)
         field_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         max_tokens = self.resolve_max_tokens(
             len(token_ids), body.requested_max_tokens(), field_name
@@ -108,6 +118,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _full(
         self,
         body: ChatCompletionRequest,
+        plan: ToolPlan,
         token_ids: list[int],
         params: SamplingParams,
         request_id: str,
@@ -119,16 +130,18 @@ class OpenAIServingChat(OpenAIServing):
             usage.observe(output)
             for completion in output.outputs:
                 self._fold(body, states[completion.index], completion)
-        choices = [
-            ChatChoice(
-                index=i,
-                message=ChatResponseMessage(content=s.text),
-                logprobs=ChatChoiceLogprobs(content=s.logprobs) if body.logprobs else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
+        choices = []
+        for i, s in enumerate(states):
+            message, finish_reason = _message(plan, s)
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    logprobs=ChatChoiceLogprobs(content=s.logprobs) if body.logprobs else None,
+                    finish_reason=finish_reason,
+                    stop_reason=s.stop_reason,
+                )
             )
-            for i, s in enumerate(states)
-        ]
         return ChatCompletionResponse(
             id=response_id, model=self.served_model_name, choices=choices, usage=usage.usage()
         )
@@ -136,6 +149,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(
         self,
         body: ChatCompletionRequest,
+        plan: ToolPlan,
         token_ids: list[int],
         params: SamplingParams,
         request_id: str,
@@ -164,21 +178,46 @@ class OpenAIServingChat(OpenAIServing):
             async for output in self.stream_outputs(token_ids, params, request_id):
                 usage.observe(output)
                 for completion in output.outputs:
-                    new_logprobs = self._fold(body, states[completion.index], completion)
-                    if (
-                        not completion.text
-                        and completion.finish_reason is None
-                        and not new_logprobs
-                    ):
-                        continue
+                    state = states[completion.index]
+                    new_logprobs = self._fold(body, state, completion)
+                    if plan.mode == "required":
+                        # The calls are read from the whole array: sent when it is complete.
+                        if completion.finish_reason is None:
+                            continue
+                        message, finish_reason = _message(plan, state)
+                        delta = DeltaMessage(
+                            content=message.content,
+                            tool_calls=[
+                                DeltaToolCall(
+                                    index=j,
+                                    id=call.id,
+                                    type="function",
+                                    function=DeltaFunctionCall(
+                                        name=call.function.name, arguments=call.function.arguments
+                                    ),
+                                )
+                                for j, call in enumerate(message.tool_calls)
+                            ]
+                            or None,
+                        )
+                        new_logprobs = state.logprobs
+                    else:
+                        if (
+                            not completion.text
+                            and completion.finish_reason is None
+                            and not new_logprobs
+                        ):
+                            continue
+                        delta = _text_delta(plan, state, completion.text)
+                        finish_reason = completion.finish_reason
                     yield chunk(
                         ChatStreamChoice(
                             index=completion.index,
-                            delta=DeltaMessage(content=completion.text),
+                            delta=delta,
                             logprobs=ChatChoiceLogprobs(content=new_logprobs)
                             if body.logprobs
                             else None,
-                            finish_reason=completion.finish_reason,
+                            finish_reason=finish_reason,
                             stop_reason=completion.stop_reason,
                         )
                     )
@@ -194,3 +233,33 @@ class OpenAIServingChat(OpenAIServing):
         except APIError as e:
             yield sse_error(e)
         yield SSE_DONE
+
+
+def _message(plan: ToolPlan, state: ChatChoiceState) -> tuple[ChatResponseMessage, str | None]:
+    """A choice's whole message and finish reason: its text, or the tool calls it holds."""
+    if plan.mode == "named":
+        assert plan.name is not None
+        call = ToolCall(function=FunctionCall(name=plan.name, arguments=state.text))
+        return ChatResponseMessage(content=None, tool_calls=[call]), state.finish_reason
+    if plan.mode == "required":
+        calls = parse_required_calls(state.text)
+        if calls is not None:
+            tool_calls = [ToolCall(function=FunctionCall(name=n, arguments=a)) for n, a in calls]
+            finish_reason = "tool_calls" if state.finish_reason == "stop" else state.finish_reason
+            return ChatResponseMessage(content=None, tool_calls=tool_calls), finish_reason
+        # Cut before the array closed (max_tokens): the text as it is.
+    return ChatResponseMessage(content=state.text), state.finish_reason
+
+
+def _text_delta(plan: ToolPlan, state: ChatChoiceState, text: str) -> DeltaMessage:
+    """A streamed piece of a choice's text; for a named tool call, a piece of its arguments (the
+    first one carries the call's id and name)."""
+    if plan.mode != "named":
+        return DeltaMessage(content=text)
+    function = DeltaFunctionCall(arguments=text)
+    if state.call_id is not None:
+        return DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=function)])
+    state.call_id = new_call_id()
+    function.name = plan.name
+    call = DeltaToolCall(index=0, id=state.call_id, type="function", function=function)
+    return DeltaMessage(tool_calls=[call])

@@ -43,6 +43,8 @@ SAMPLING_FIELDS = {
     "allowed_token_ids",
     "response_format",
     "structured_outputs",
+    "tools",
+    "tool_choice",
     "guided_json",
     "guided_regex",
     "guided_choice",
@@ -102,12 +104,22 @@ class OpenAIServing:
         if bad:
             raise APIError(f"{field} must be token ids in [0, {vocab}), got {bad[:5]}", param=field)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The conversation through the model's chat template (with the tools, for templates
+        that render them; others ignore them)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError("this model has no chat template; use /v1/completions", param="messages")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         except (TemplateError, ValueError, TypeError, KeyError) as e:
             raise APIError(
