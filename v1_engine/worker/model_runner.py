@@ -55,6 +55,17 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def _reads_outputs(params: SamplingParams, num_outputs: int) -> bool:
+    """Whether sampling reads a row's output tokens: penalties count them, min_tokens their
+    number (until it is reached)."""
+    return bool(
+        params.presence_penalty
+        or params.frequency_penalty
+        or params.repetition_penalty != 1.0
+        or params.min_tokens > num_outputs
+    )
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -577,9 +588,14 @@ class ModelRunner:
         else:
             row_states, outputs = [], []
             for state, request_drafts in zip(states, drafts, strict=True):
+                # Only penalties and min_tokens read the outputs: other rows share the list.
+                reads = _reads_outputs(state.sampling_params, len(state.output_token_ids))
                 for i in range(len(request_drafts) + 1):
                     row_states.append(state)
-                    outputs.append(state.output_token_ids + request_drafts[:i])
+                    if i and reads:
+                        outputs.append(state.output_token_ids + request_drafts[:i])
+                    else:
+                        outputs.append(state.output_token_ids)
         metadata = SamplingMetadata.build(
             params=[s.sampling_params for s in row_states],
             prompt_token_ids=[s.prompt_token_ids for s in row_states],
