@@ -9,6 +9,7 @@ import re
 
 import httpx
 import pytest
+from server_helpers import API_KEY, start_server, stop_server
 
 WEATHER = {
     "type": "function",
@@ -169,3 +170,64 @@ def test_tool_choices_that_cannot_hold_are_400s(server, auth_headers, model_name
     assert error["param"] == param
     assert error["type"] == "invalid_request_error"
     assert re.search(message, error["message"]), error["message"]
+
+
+# --- tool_choice "auto" with a tool-call parser ---------------------------------------------
+
+FORCED_HERMES = (
+    r'<tool_call>\n\{"name": "get_weather", "arguments": '
+    r'\{"city": "[A-Z][a-z]{2,8}", "unit": "celsius"\}\}\n</tool_call>'
+)
+
+
+@pytest.fixture(scope="module")
+def hermes_server():
+    server = start_server("--tool-call-parser", "hermes", "--enable-auto-tool-choice")
+    try:
+        yield server
+    finally:
+        stop_server(server)
+        server.log_path.unlink(missing_ok=True)
+
+
+def test_auto_reads_the_calls_the_model_writes(hermes_server):
+    """The default model does not write hermes calls by itself: a regex constraint makes it
+    (auto leaves the output free, so a client constraint may hold), and the parser reads them."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{hermes_server.url}/v1", api_key=API_KEY, max_retries=0)
+    model = client.models.list().data[0].id
+    forced = {"structured_outputs": {"regex": FORCED_HERMES}}
+    reply = client.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER, TIME], temperature=0.0, max_tokens=60,
+        extra_body=forced,
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["unit"] == "celsius"
+    stream = client.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER, TIME], temperature=0.0, max_tokens=60,
+        extra_body=forced, stream=True,
+    )  # fmt: skip
+    chunks = [c for c in stream if c.choices]
+    calls = [
+        t for c in chunks if c.choices[0].delta.tool_calls for t in c.choices[0].delta.tool_calls
+    ]
+    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == [
+        (0, "get_weather", call.function.arguments)
+    ]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # Left free, the model answers in text: content, no calls.
+    free = client.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER], tool_choice="auto", temperature=0.0, max_tokens=24
+    )  # fmt: skip
+    assert free.choices[0].message.content and not free.choices[0].message.tool_calls
+    assert free.choices[0].finish_reason in ("stop", "length")
+
+
+def test_enable_auto_tool_choice_needs_a_parser():
+    with pytest.raises(pytest.fail.Exception, match="needs --tool-call-parser"):
+        start_server("--enable-auto-tool-choice")

@@ -63,16 +63,20 @@ class ServerState:
 
 
 def build_app(
-    engine: Any, stat_logger: PrometheusStatLogger | None = None, api_key: str | None = None
+    engine: Any,
+    stat_logger: PrometheusStatLogger | None = None,
+    api_key: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
-    """A FastAPI app serving `engine`; the model name and context length come from its config."""
+    """A FastAPI app serving `engine`; the model name and context length come from its config;
+    `tool_call_parser` (tool_parsers.TOOL_PARSERS) enables tool_choice "auto"."""
     mc = engine.config.model_config
     name, max_len = mc.served_model_name or str(mc.model), int(mc.max_model_len)
     state = ServerState(
         engine=engine,
         stat_logger=stat_logger,
         completion=OpenAIServingCompletion(engine, name, max_len),
-        chat=OpenAIServingChat(engine, name, max_len),
+        chat=OpenAIServingChat(engine, name, max_len, tool_call_parser),
         tokens=OpenAIServing(engine, name, max_len),
         api_key=api_key or None,
     )
@@ -251,13 +255,14 @@ async def serve(
     port: int,
     api_key: str | None = None,
     log_level: str = "info",
+    tool_call_parser: str | None = None,
 ) -> int:
     """Build the engine, serve until stopped, and return the process exit code: 0 on a normal
     shutdown (SIGINT/SIGTERM), 1 if the engine core died."""
     stat_logger = PrometheusStatLogger(model_name)
     engine = engine_factory([stat_logger])
     try:
-        app = build_app(engine, stat_logger, api_key)
+        app = build_app(engine, stat_logger, api_key, tool_call_parser)
         state: ServerState = app.state.server
         state.engine_dead = asyncio.Event()
         config = uvicorn.Config(

@@ -21,6 +21,7 @@ from v1_engine.config import (
     LOAD_FORMAT_CHOICES,
     QUANTIZATION_CHOICES,
 )
+from v1_engine.entrypoints.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "V1ENGINE_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -69,6 +70,19 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="logging level (default: info)"
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help='reads the tool calls of tool_choice "auto" (OpenAI\'s default with tools) in the '
+        "model's format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1-3.3); without "
+        'it "auto" is a 400 ("required", "none" and named functions need no parser)',
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM's command lines: --tool-call-parser alone enables it",
     )
 
 
@@ -268,7 +282,13 @@ def run_server(args: argparse.Namespace) -> int:
 
     return uvloop.run(
         serve(
-            make_engine, kwargs["served_model_name"], args.host, args.port, api_key, args.log_level
+            make_engine,
+            kwargs["served_model_name"],
+            args.host,
+            args.port,
+            api_key,
+            args.log_level,
+            args.tool_call_parser,
         )
     )
 
@@ -283,6 +303,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if argv and argv[0] == "serve":
         argv = argv[1:]
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error(
+            f"--enable-auto-tool-choice needs --tool-call-parser (one of {sorted(TOOL_PARSERS)})"
+        )
     logging.getLogger().setLevel(args.log_level.upper())
     sys.exit(run_server(args))

@@ -328,12 +328,14 @@ class ChatCompletionRequest(SamplingFields):
             else self.max_tokens
         )
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int | None, tool_call_parser: str | None = None
+    ) -> SamplingParams:
         from v1_engine.entrypoints.tool_calls import plan_tools
 
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         kwargs = self.base_sampling_kwargs()
-        plan = plan_tools(self)
+        plan = plan_tools(self, tool_call_parser)
         if plan.structured is not None:
             if kwargs["structured_outputs"] is not None:
                 raise ValueError(

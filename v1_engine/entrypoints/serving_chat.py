@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -36,6 +37,7 @@ from v1_engine.entrypoints.serving_engine import (
     sse,
 )
 from v1_engine.entrypoints.tool_calls import ToolPlan, parse_required_calls, plan_tools
+from v1_engine.entrypoints.tool_parsers import TOOL_PARSERS, ToolStreamer, parse_tool_calls
 from v1_engine.outputs import CompletionOutput, RequestOutput
 from v1_engine.sampling_params import SamplingParams
 
@@ -48,6 +50,10 @@ class ChatChoiceState:
     stop_reason: int | str | None = None
     call_id: str | None = None
     """A named tool call's id, once its first delta went out (streaming)."""
+    streamer: ToolStreamer | None = None
+    """tool_choice "auto", streaming: the parser reading this choice's calls."""
+    num_calls: int = 0
+    """Tool calls streamed so far (the next call's index)."""
 
 
 @dataclass
@@ -71,10 +77,21 @@ class ChatUsage:
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(
+        self,
+        engine: Any,
+        served_model_name: str,
+        max_model_len: int,
+        tool_call_parser: str | None = None,
+    ) -> None:
+        super().__init__(engine, served_model_name, max_model_len)
+        self.tool_call_parser = tool_call_parser
+        """Reads the calls of tool_choice "auto" (tool_parsers.TOOL_PARSERS); None refuses it."""
+
     async def create(self, body: ChatCompletionRequest, request: Request, request_id: str):
         self.check_request(body)
         token_ids, params = self._prepare(body)
-        plan = plan_tools(body)  # checked by _prepare's sampling params
+        plan = plan_tools(body, self.tool_call_parser)  # checked by _prepare's sampling params
         response_id = f"chatcmpl-{request_id}"
         if body.stream:
             return StreamingResponse(
@@ -94,7 +111,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(
             len(token_ids), body.requested_max_tokens(), field_name
         )
-        params = self.sampling_params(body, max_tokens)
+        params = self.sampling_params(body, max_tokens, tool_call_parser=self.tool_call_parser)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         self.validate(token_ids, params)
@@ -201,6 +218,11 @@ class OpenAIServingChat(OpenAIServing):
                             or None,
                         )
                         new_logprobs = state.logprobs
+                    elif plan.mode == "auto":
+                        delta, finish_reason = _auto_delta(plan, state, completion)
+                        if delta is None and not new_logprobs:
+                            continue
+                        delta = delta or DeltaMessage()
                     else:
                         if (
                             not completion.text
@@ -248,7 +270,46 @@ def _message(plan: ToolPlan, state: ChatChoiceState) -> tuple[ChatResponseMessag
             finish_reason = "tool_calls" if state.finish_reason == "stop" else state.finish_reason
             return ChatResponseMessage(content=None, tool_calls=tool_calls), finish_reason
         # Cut before the array closed (max_tokens): the text as it is.
+    if plan.mode == "auto":
+        assert plan.parser is not None
+        parsed = parse_tool_calls(plan.parser, state.text)
+        if parsed.calls:
+            tool_calls = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed.calls]  # fmt: skip
+            finish_reason = "tool_calls" if state.finish_reason == "stop" else state.finish_reason
+            content = parsed.content.strip() or None
+            return ChatResponseMessage(content=content, tool_calls=tool_calls), finish_reason
     return ChatResponseMessage(content=state.text), state.finish_reason
+
+
+def _auto_delta(
+    plan: ToolPlan, state: ChatChoiceState, completion: CompletionOutput
+) -> tuple[DeltaMessage | None, str | None]:
+    """tool_choice "auto", streaming: the content the parser lets through and the calls it has
+    completed (whole, one delta each); None when it holds everything back. The finish reason
+    is "tool_calls" when the choice called any tool."""
+    if state.streamer is None:
+        assert plan.parser is not None
+        state.streamer = TOOL_PARSERS[plan.parser]()
+    parsed = state.streamer.feed(completion.text)
+    finish_reason = completion.finish_reason
+    if finish_reason is not None:
+        parsed.extend(state.streamer.finish())
+    calls = []
+    for call in parsed.calls:
+        calls.append(
+            DeltaToolCall(
+                index=state.num_calls,
+                id=new_call_id(),
+                type="function",
+                function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
+            )
+        )
+        state.num_calls += 1
+    if finish_reason == "stop" and state.num_calls:
+        finish_reason = "tool_calls"
+    if not parsed.content and not calls and finish_reason is None:
+        return None, None
+    return DeltaMessage(content=parsed.content or None, tool_calls=calls or None), finish_reason
 
 
 def _text_delta(plan: ToolPlan, state: ChatChoiceState, text: str) -> DeltaMessage:

@@ -149,11 +149,11 @@ class OpenAIServing:
             )
         return requested
 
-    def sampling_params(self, body: Any, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, body: Any, max_tokens: int, **kwargs: Any) -> SamplingParams:
         """The request's SamplingParams; a field that cannot convert (a bad JSON schema, two
         output constraints) is a 400 naming it."""
         try:
-            return body.to_sampling_params(max_tokens)
+            return body.to_sampling_params(max_tokens, **kwargs)
         except ValueError as e:
             raise from_value_error(e, SAMPLING_FIELDS) from None
 

@@ -4,7 +4,8 @@ and the calls read back from the text.
 A forced call is enforced by structured outputs: a named function's output is its arguments
 object (JSON valid under the function's `parameters`), and "required" is a JSON array of
 `{"name", "parameters"}` objects, one of the tools each (at least one; exactly one with
-`parallel_tool_calls: false`). "auto" needs a per-model tool-call parser and is refused.
+`parallel_tool_calls: false`). "auto" leaves the output free and reads the calls back with the
+server's tool-call parser (tool_parsers.py); without one it is refused.
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 @dataclass(frozen=True)
 class ToolPlan:
     mode: str
-    """"text" (no tool call), "named" or "required"."""
+    """"text" (no tool call), "named", "required" or "auto"."""
     name: str | None = None
     """The named function."""
+    parser: str | None = None
+    """"auto": the tool-call parser reading the calls."""
     structured: StructuredOutputsParams | None = None
     """The constraint that forces the call(s)."""
 
 
-def plan_tools(body: ChatCompletionRequest) -> ToolPlan:
-    """The request's tool plan; a ValueError naming the field for a choice that cannot hold."""
+def plan_tools(body: ChatCompletionRequest, parser: str | None = None) -> ToolPlan:
+    """The request's tool plan under the server's tool-call `parser`; a ValueError naming the
+    field for a choice that cannot hold."""
     tools = body.tools or []
     choice = body.tool_choice
     if choice is not None and not tools:
@@ -47,11 +51,13 @@ def plan_tools(body: ChatCompletionRequest) -> ToolPlan:
     for i, tool in enumerate(tools):
         _check_schema(tool.function.parameters or ANY_OBJECT, f"tools.{i}.function.parameters")
     if choice is None or choice == "auto":
-        raise ValueError(
-            'tool_choice "auto" (the default when tools are given) needs a tool-call parser for '
-            'the model, which this server does not have yet; set tool_choice to "required", '
-            '"none" or {"type": "function", "function": {"name": ...}}'
-        )
+        if parser is None:
+            raise ValueError(
+                'tool_choice "auto" (the default when tools are given) needs a tool-call parser '
+                "for the model: start the server with --tool-call-parser, or set tool_choice to "
+                '"required", "none" or {"type": "function", "function": {"name": ...}}'
+            )
+        return ToolPlan("auto", parser=parser)
     if choice == "none":
         return ToolPlan("text")
     if choice == "required":

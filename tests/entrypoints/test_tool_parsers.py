@@ -1,0 +1,78 @@
+"""The tool-call parsers of tool_choice "auto": calls and content read from whole outputs, and
+the same read from the output streamed in any pieces (held back only while a call may form)."""
+
+from __future__ import annotations
+
+import pytest
+
+from v1_engine.entrypoints.tool_parsers import (
+    TOOL_PARSERS,
+    Parsed,
+    ParsedCall,
+    parse_tool_calls,
+)
+
+HERMES = [
+    # (text, content, calls)
+    (
+        ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '</tool_call>\n<tool_call>{"name": "now", "arguments": {}}</tool_call>'),
+        "Let me look.\n\n",
+        [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("now", "{}")],
+    ),
+    ("No tools needed: 2 < 3 and <tool is not a tag.", "No tools needed: 2 < 3 and <tool is not a tag.", []),
+    # Not JSON inside the tags: the block is content, as written.
+    ("<tool_call>{name: x}</tool_call> done", "<tool_call>{name: x}</tool_call> done", []),
+    # Cut by max_tokens inside a block: content too.
+    ('ok <tool_call>{"name": "get_weather", "argu', 'ok <tool_call>{"name": "get_weather", "argu', []),
+    # A partial opening tag at the end is not held forever.
+    ("ends with <tool_", "ends with <tool_", []),
+]  # fmt: skip
+LLAMA3 = [
+    (
+        (
+            '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+            '{"name": "now", "parameters": {}}'
+        ),
+        "",
+        [ParsedCall("get_weather", '{"city": "Oslo"}'), ParsedCall("now", "{}")],
+    ),
+    ('  {"name": "now", "arguments": {"tz": "UTC"}}', "", [ParsedCall("now", '{"tz": "UTC"}')]),
+    ("The answer is 4.", "The answer is 4.", []),
+    ('{"result": 4}', '{"result": 4}', []),  # JSON, but not a call
+    ('{"name": "now", "parameters": {', '{"name": "now", "parameters": {', []),
+]
+
+
+def _streamed(parser: str, text: str, piece: int) -> Parsed:
+    streamer = TOOL_PARSERS[parser]()
+    out = Parsed()
+    for i in range(0, len(text), piece):
+        out.extend(streamer.feed(text[i : i + piece]))
+    out.extend(streamer.finish())
+    return out
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content", "calls"),
+    [("hermes", *case) for case in HERMES] + [("llama3_json", *case) for case in LLAMA3],
+)
+def test_calls_and_content_whole_and_streamed(parser, text, content, calls):
+    whole = parse_tool_calls(parser, text)
+    assert (whole.content, whole.calls) == (content, calls)
+    for piece in (1, 2, 5, 13):
+        streamed = _streamed(parser, text, piece)
+        assert (streamed.content, streamed.calls) == (content, calls), piece
+
+
+def test_streaming_holds_back_only_what_may_become_a_call():
+    hermes = TOOL_PARSERS["hermes"]()
+    assert hermes.feed("Sure, <tool").content == "Sure, "  # "<tool" may open a call
+    assert hermes.feed("s are nice").content == "<tools are nice"
+    assert hermes.feed('<tool_call>{"name": "f", "arguments": {}}').content == ""
+    got = hermes.feed("</tool_call> after")
+    assert got.calls == [ParsedCall("f", "{}")] and got.content == " after"
+    llama = TOOL_PARSERS["llama3_json"]()
+    assert llama.feed(" ").content == ""  # undecided
+    assert llama.feed("Hello").content == " Hello"  # text: streamed from now on
+    assert llama.feed(" world").content == " world"
