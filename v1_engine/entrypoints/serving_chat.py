@@ -201,22 +201,7 @@ class OpenAIServingChat(OpenAIServing):
                         # The calls are read from the whole array: sent when it is complete.
                         if completion.finish_reason is None:
                             continue
-                        message, finish_reason = _message(plan, state)
-                        delta = DeltaMessage(
-                            content=message.content,
-                            tool_calls=[
-                                DeltaToolCall(
-                                    index=j,
-                                    id=call.id,
-                                    type="function",
-                                    function=DeltaFunctionCall(
-                                        name=call.function.name, arguments=call.function.arguments
-                                    ),
-                                )
-                                for j, call in enumerate(message.tool_calls)
-                            ]
-                            or None,
-                        )
+                        delta, finish_reason = _required_delta(plan, state)
                         new_logprobs = state.logprobs
                     elif plan.mode == "auto":
                         delta, finish_reason = _auto_delta(plan, state, completion)
@@ -279,6 +264,22 @@ def _message(plan: ToolPlan, state: ChatChoiceState) -> tuple[ChatResponseMessag
             content = parsed.content.strip() or None
             return ChatResponseMessage(content=content, tool_calls=tool_calls), finish_reason
     return ChatResponseMessage(content=state.text), state.finish_reason
+
+
+def _required_delta(plan: ToolPlan, state: ChatChoiceState) -> tuple[DeltaMessage, str | None]:
+    """tool_choice "required", streaming: the finished choice's calls, one delta each (or its
+    text, when the array was cut)."""
+    message, finish_reason = _message(plan, state)
+    calls = [
+        DeltaToolCall(
+            index=j,
+            id=call.id,
+            type="function",
+            function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments),
+        )
+        for j, call in enumerate(message.tool_calls)
+    ]
+    return DeltaMessage(content=message.content, tool_calls=calls or None), finish_reason
 
 
 def _auto_delta(
