@@ -12,6 +12,15 @@ output without drafts (it must: greedy output is unchanged).
     python benchmarks/benchmark_spec_decode.py --rounds 2
     python benchmarks/benchmark_spec_decode.py --batch 1 --num-prompts 4 --rounds 2
 
+On a GPU without real weights, `--config llama3-8b` (benchmarks/configs, dummy weights, bf16)
+runs the "repeat" workload instead: logit_bias forces one token over and over, so every draft
+is kept and the table shows what a verify step of k + 1 positions costs against a decode step
+(the best case: k + 1 tokens a verify step), and "reject", where a second forced token makes
+every draft wrong (the worst case: drafts that are never kept).
+
+    python benchmarks/benchmark_spec_decode.py --config llama3-8b --batch 1 --num-prompts 2 \
+        --gpu-memory-utilization 0.28
+
 Copy the table into benchmarks/RESULTS.md with the date, commit and machine.
 """
 
@@ -70,6 +79,24 @@ OPEN = [
 ]
 
 
+def forced_workloads(count: int, max_tokens: int) -> dict[str, tuple[list, list]]:
+    """(conversations, params) per workload whose output logit_bias forces: "repeat" one token
+    (every draft kept), "reject" random draws among 16 equally biased tokens (drafts copied from
+    earlier bigrams, right one time in 16)."""
+    conversations = [[{"role": "user", "content": f"Say something {i}."}] for i in range(count)]
+    repeat = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logit_bias={1000: 100.0}
+    )
+    noise = {t: 100.0 for t in range(1000, 1016)}
+    reject = [
+        SamplingParams(
+            temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True, logit_bias=noise
+        )
+        for i in range(count)
+    ]
+    return {"repeat": (conversations, [repeat] * count), "reject": (conversations, reject)}
+
+
 def workloads(batch: int) -> dict[str, list[list[dict[str, str]]]]:
     edit = [t.format(s) for t in EDIT_TASKS for s in SNIPPETS]
     edit += [t.format(s) for t in TEXT_TASKS for s in TEXTS]
@@ -101,7 +128,8 @@ def run(llm: LLM, conversations, params, batch: int) -> tuple[float, list[list[i
     tokens = []
     start = time.perf_counter()
     for i in range(0, len(conversations), batch):
-        outputs = llm.chat(conversations[i : i + batch], params, use_tqdm=False)
+        chunk_params = params[i : i + batch] if isinstance(params, list) else params
+        outputs = llm.chat(conversations[i : i + batch], chunk_params, use_tqdm=False)
         tokens += [o.outputs[0].token_ids for o in outputs]
     elapsed = time.perf_counter() - start
     return elapsed, tokens, counter
@@ -118,9 +146,26 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="per engine (one engine per k and one without drafts share the GPU): e.g. 0.28",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="a config of benchmarks/configs with dummy weights (bf16): the forced workloads",
+    )
     args = parser.parse_args()
 
-    common = {"model": args.model, "max_model_len": args.max_model_len}
+    common: dict = {"model": args.model, "max_model_len": args.max_model_len}
+    if args.gpu_memory_utilization is not None:
+        common["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.config is not None:
+        from bench_utils import model_dir
+
+        common.update(model=model_dir(args.config)[0], load_format="dummy", dtype="bfloat16")
     engines = {0: LLM(**common)}
     for k in args.k:
         spec = {"method": "ngram", "num_speculative_tokens": k}
@@ -134,13 +179,18 @@ def main() -> None:
     print("| workload | drafts (k) | output tok/s | vs none | kept drafts | tokens / verify "
           "| outputs equal |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
-    for name, conversations in workloads(args.num_prompts or args.batch).items():
+    count = args.num_prompts or args.batch
+    if args.config is not None:
+        cases = forced_workloads(count, args.max_tokens)
+    else:
+        cases = {name: (convs, params) for name, convs in workloads(count).items()}
+    for name, (conversations, case_params) in cases.items():
         best: dict[int, float] = {}
         tokens: dict[int, list[list[int]]] = {}
         counters: dict[int, Counter] = {}
         for _ in range(args.rounds):
             for k, llm in engines.items():
-                elapsed, out, counter = run(llm, conversations, params, args.batch)
+                elapsed, out, counter = run(llm, conversations, case_params, args.batch)
                 rate = sum(map(len, out)) / elapsed
                 if rate > best.get(k, 0.0):
                     best[k], tokens[k], counters[k] = rate, out, counter
@@ -150,6 +200,8 @@ def main() -> None:
             # Every step of a drafted request yields kept + 1 tokens.
             per_verify = f"{(c.accepted + c.drafts) / c.drafts:.2f}" if c.drafts else "-"
             equal = "yes" if tokens[k] == tokens[0] else "NO"
+            if name == "reject":
+                equal = "random"  # seeded, but drafts change which draw a position takes
             print(
                 f"| {name} | {k or 'none'} | {best[k]:.1f} | {best[k] / best[0]:.2f}x | {kept} "
                 f"| {per_verify} | {equal} |"
