@@ -19,7 +19,7 @@ is kept and the table shows what a verify step of k + 1 positions costs against 
 every draft wrong (the worst case: drafts that are never kept).
 
     python benchmarks/benchmark_spec_decode.py --config llama3-8b --batch 1 --num-prompts 2 \
-        --gpu-memory-utilization 0.28
+        --gpu-memory-utilization 0.3
 
 Copy the table into benchmarks/RESULTS.md with the date, commit and machine.
 """
@@ -150,7 +150,8 @@ def main() -> None:
         "--gpu-memory-utilization",
         type=float,
         default=None,
-        help="per engine (one engine per k and one without drafts share the GPU): e.g. 0.28",
+        help="the GPU share of each engine (one per k and one without drafts share the GPU): "
+        "e.g. 0.3",
     )
     parser.add_argument(
         "--config",
@@ -160,15 +161,16 @@ def main() -> None:
     args = parser.parse_args()
 
     common: dict = {"model": args.model, "max_model_len": args.max_model_len}
-    if args.gpu_memory_utilization is not None:
-        common["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.config is not None:
         from bench_utils import model_dir
 
         common.update(model=model_dir(args.config)[0], load_format="dummy", dtype="bfloat16")
-    engines = {0: LLM(**common)}
-    for k in args.k:
-        spec = {"method": "ngram", "num_speculative_tokens": k}
+    engines = {}
+    for i, k in enumerate([0, *args.k]):
+        spec = {"method": "ngram", "num_speculative_tokens": k} if k else None
+        if args.gpu_memory_utilization is not None:
+            # The profile counts the engines built before this one as used memory.
+            common["gpu_memory_utilization"] = args.gpu_memory_utilization * (i + 1)
         engines[k] = LLM(speculative_config=spec, **common)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
