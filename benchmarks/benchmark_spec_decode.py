@@ -83,7 +83,7 @@ def forced_workloads(count: int, max_tokens: int) -> dict[str, tuple[list, list]
     """(conversations, params) per workload whose output logit_bias forces: "repeat" one token
     (every draft kept), "reject" random draws among 16 equally biased tokens (drafts copied from
     earlier bigrams, right one time in 16)."""
-    conversations = [[{"role": "user", "content": f"Say something {i}."}] for i in range(count)]
+    conversations = [f"Say something {i}." for i in range(count)]  # plain prompts
     repeat = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logit_bias={1000: 100.0}
     )
@@ -129,7 +129,11 @@ def run(llm: LLM, conversations, params, batch: int) -> tuple[float, list[list[i
     start = time.perf_counter()
     for i in range(0, len(conversations), batch):
         chunk_params = params[i : i + batch] if isinstance(params, list) else params
-        outputs = llm.chat(conversations[i : i + batch], chunk_params, use_tqdm=False)
+        chunk = conversations[i : i + batch]
+        if isinstance(chunk[0], str):
+            outputs = llm.generate(chunk, chunk_params, use_tqdm=False)
+        else:
+            outputs = llm.chat(chunk, chunk_params, use_tqdm=False)
         tokens += [o.outputs[0].token_ids for o in outputs]
     elapsed = time.perf_counter() - start
     return elapsed, tokens, counter
