@@ -260,13 +260,7 @@ class CompilationConfig:
             )
         if isinstance(value, int):
             return cls(level=value)
-        allowed = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - allowed)
-        if unknown:
-            raise ValueError(
-                f"unknown compilation_config keys {unknown}; allowed: {', '.join(sorted(allowed))}"
-            )
-        return cls(**value)
+        return _from_fields(cls, value, "compilation_config")
 
     def effective_fusion_passes(self, device_type: str = "cpu") -> list[str]:
         """The fusion passes applied on `device_type`, in FUSION_PASSES order when derived."""
@@ -369,13 +363,7 @@ class SpeculativeConfig:
             raise ValueError(  # noqa: TRY004 (user input: ValueError naming the field)
                 f"speculative_config must be a dict of fields or None, got {value!r}"
             )
-        allowed = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - allowed)
-        if unknown:
-            raise ValueError(
-                f"unknown speculative_config keys {unknown}; allowed: {', '.join(sorted(allowed))}"
-            )
-        return cls(**value)
+        return _from_fields(cls, value, "speculative_config")
 
     def verify(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -404,6 +392,15 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
             )
+
+
+def _from_fields(cls: type, value: dict[str, Any], name: str) -> Any:
+    """A config section from a dict of its fields; unknown keys raise, naming the allowed ones."""
+    allowed = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise ValueError(f"unknown {name} keys {unknown}; allowed: {', '.join(sorted(allowed))}")
+    return cls(**value)
 
 
 @dataclass

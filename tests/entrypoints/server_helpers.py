@@ -6,6 +6,7 @@ it fails to come up.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +95,17 @@ def start_server(*extra_args: str, api_key: str | None = API_KEY) -> Server:
     server = Server(process, port, log, api_key)
     wait_healthy(server)
     return server
+
+
+@contextlib.contextmanager
+def running_server(*extra_args: str) -> Iterator[Server]:
+    """A server for the block: stopped and its log removed afterwards."""
+    server = start_server(*extra_args)
+    try:
+        yield server
+    finally:
+        stop_server(server)
+        server.log_path.unlink(missing_ok=True)
 
 
 def wait_healthy(server: Server) -> None:

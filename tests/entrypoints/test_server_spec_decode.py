@@ -7,7 +7,7 @@ import json
 
 import openai
 import pytest
-from server_helpers import API_KEY, metric, start_server, stop_server
+from server_helpers import API_KEY, metric, running_server, start_server
 
 from v1_engine import LLM, SamplingParams
 
@@ -18,12 +18,8 @@ MESSAGES = [{"role": "user", "content": f"Add type hints to this code and return
 @pytest.fixture(scope="module")
 def spec_server():
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
-    server = start_server("--speculative-config", spec)
-    try:
+    with running_server("--speculative-config", spec) as server:
         yield server
-    finally:
-        stop_server(server)
-        server.log_path.unlink(missing_ok=True)
 
 
 def test_drafted_chat_equals_the_offline_output_without_drafts(spec_server):

@@ -9,7 +9,7 @@ import re
 
 import httpx
 import pytest
-from server_helpers import API_KEY, start_server, stop_server
+from server_helpers import API_KEY, running_server, start_server
 
 WEATHER = {
     "type": "function",
@@ -182,12 +182,8 @@ FORCED_HERMES = (
 
 @pytest.fixture(scope="module")
 def hermes_server():
-    server = start_server("--tool-call-parser", "hermes", "--enable-auto-tool-choice")
-    try:
+    with running_server("--tool-call-parser", "hermes", "--enable-auto-tool-choice") as server:
         yield server
-    finally:
-        stop_server(server)
-        server.log_path.unlink(missing_ok=True)
 
 
 def test_auto_reads_the_calls_the_model_writes(hermes_server):

@@ -209,23 +209,17 @@ def compilation_value(text: str) -> int | dict[str, Any]:
     text = text.strip()
     if text.lstrip("-").isdigit():
         return int(text)
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not an int level or a JSON object: {text!r}") from e
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"not an int level or a JSON object: {text!r}")
-    return value
+    return json_object_value(text, "an int level or a JSON object")
 
 
-def json_object_value(text: str) -> dict[str, Any]:
+def json_object_value(text: str, expected: str = "a JSON object") -> dict[str, Any]:
     """A flag whose value is a JSON object."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}") from e
+    except json.JSONDecodeError:
+        value = None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+        raise argparse.ArgumentTypeError(f"not {expected}: {text!r}")
     return value
 
 

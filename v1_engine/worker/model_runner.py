@@ -33,7 +33,6 @@ from v1_engine.structured_output import (
     GrammarCompilerService,
     RequestGrammar,
     StructuredOutputsParams,
-    allocate_bitmask,
 )
 from v1_engine.worker.host_staging import HostStaging
 from v1_engine.worker.input_batch import CachedRequestState, InputBatch
@@ -44,6 +43,7 @@ from v1_engine.worker.kv_sizing import (
     profile_kv_budget,
     resolve_kv_cache_dtype,
 )
+from v1_engine.worker.sampling_rows import sampling_metadata
 from v1_engine.worker.step_inputs import StepInputs, prepare_step_inputs
 from v1_engine.worker.step_output import PendingTokens, StepOutput, copy_to_host
 
@@ -53,17 +53,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _reads_outputs(params: SamplingParams, num_outputs: int) -> bool:
-    """Whether sampling reads a row's output tokens: penalties count them, min_tokens their
-    number (until it is reached)."""
-    return bool(
-        params.presence_penalty
-        or params.frequency_penalty
-        or params.repetition_penalty != 1.0
-        or params.min_tokens > num_outputs
-    )
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -559,54 +548,10 @@ class ModelRunner:
             return None
         return RequestGrammar(self.submit_grammar(params.structured_outputs), eos_token_id)
 
-    def _grammar_bitmask(
-        self, states: list[CachedRequestState], drafts: list[list[int]] | None
-    ) -> torch.Tensor | None:
-        """The sampling rows' allowed tokens ([rows, ceil(V / 32)] int32 on the device) when any
-        request is constrained; their newest tokens are on the host by now (_resolve_pending).
-        With drafts, a request's rows are its verify positions (RequestGrammar.fill_bitmasks)."""
-        if all(s.grammar is None for s in states):
-            return None
-        num_rows = len(states) + (sum(map(len, drafts)) if drafts is not None else 0)
-        bitmask = allocate_bitmask(num_rows, self.vocab_size)
-        row = 0
-        for i, state in enumerate(states):
-            request_drafts = drafts[i] if drafts is not None else []
-            if state.grammar is not None:
-                state.grammar.fill_bitmasks(state.output_token_ids, request_drafts, bitmask, row)
-            row += len(request_drafts) + 1
-        return bitmask.to(self.device, non_blocking=True)
-
     def _sampling_metadata(
         self, states: list[CachedRequestState], drafts: list[list[int]] | None = None
     ) -> SamplingMetadata:
-        """The metadata of the sampling requests' rows: one per request or, with `drafts` (one
-        list per request), one per verify position, whose outputs include the drafts before it
-        (penalties and min_tokens read them)."""
-        if drafts is None:
-            row_states, outputs = states, [s.output_token_ids for s in states]
-        else:
-            row_states, outputs = [], []
-            for state, request_drafts in zip(states, drafts, strict=True):
-                # Only penalties and min_tokens read the outputs: other rows share the list.
-                reads = _reads_outputs(state.sampling_params, len(state.output_token_ids))
-                for i in range(len(request_drafts) + 1):
-                    row_states.append(state)
-                    if i and reads:
-                        outputs.append(state.output_token_ids + request_drafts[:i])
-                    else:
-                        outputs.append(state.output_token_ids)
-        metadata = SamplingMetadata.build(
-            params=[s.sampling_params for s in row_states],
-            prompt_token_ids=[s.prompt_token_ids for s in row_states],
-            output_token_ids=outputs,
-            eos_token_ids=[s.eos_token_id for s in row_states],
-            generators=[s.generator for s in row_states],
-            vocab_size=self.vocab_size,
-            device=self.device,
-        )
-        metadata.grammar_bitmask = self._grammar_bitmask(states, drafts)
-        return metadata
+        return sampling_metadata(states, drafts, self.vocab_size, self.device)
 
     def _prompt_logprobs(
         self, req_ids: list[str], rows: np.ndarray, cu: np.ndarray, hidden: torch.Tensor
