@@ -28,9 +28,6 @@ class StepInputs:
     seq_lens: np.ndarray
     sample_idx: np.ndarray
     """Scheduled requests that sample a token this step."""
-    num_sample_rows: np.ndarray
-    """Logits rows of each sampling request: 1, or with drafts drafts + 1 (its last known
-    token's position, then each draft's)."""
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
@@ -78,6 +75,8 @@ def prepare_step_inputs(
     # A request samples only when this step reaches the end of its tokens.
     sample_idx = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
     feed_dst, feed_src = _pending_feed_indices(batch, pending, req_ids, computed, cu)
+    # Logits rows of each sampling request: 1, or with drafts 1 + drafts (its last known
+    # token's position, then each draft's).
     num_sample_rows = np.ones(len(sample_idx), dtype=np.int64)
     spec = so.scheduled_spec_token_ids
     if spec:
@@ -115,7 +114,6 @@ def prepare_step_inputs(
         cu=cu,
         seq_lens=seq_lens,
         sample_idx=sample_idx,
-        num_sample_rows=num_sample_rows,
         input_ids=staged["input_ids"],
         positions=staged["positions"],
         metadata=_attention_metadata(staged, cu32, seq_lens32, max_query_len),
