@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from v1_engine.attention.backend import AttentionMetadata
 from v1_engine.forward_context import set_forward_context
-from v1_engine.kernels.triton_inputs import write_decode_inputs
+from v1_engine.kernels.triton_inputs import write_decode_inputs, write_varlen_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +55,16 @@ class _Captured:
     """The graph's output buffer [size, hidden]; valid after each replay until the next one."""
 
 
-class DecodeCudaGraphs:
-    """Whole-forward CUDA graphs of uniform decode batches, one per captured batch size.
+class _FullGraphs:
+    """Whole-forward CUDA graphs, one per captured number of requests, over persistent input
+    buffers (a subclass fills them per step and describes a captured size's metadata).
 
     Graphs are captured largest first into one shared memory pool: a graph's intermediate
     buffers are freed once it is captured, so the next (smaller) graph reuses the same memory and
     the pool costs about what the largest batch's activations do.
     """
+
+    kind = "full"
 
     def __init__(
         self,
@@ -71,24 +74,34 @@ class DecodeCudaGraphs:
         max_seq_len: int,
         device: torch.device,
         pool: tuple[int, int] | None = None,
+        query_len: int = 1,
     ) -> None:
         self.forward = forward
         self.sizes = sorted(set(capture_sizes))
         if not self.sizes:
             raise ValueError("cudagraph capture sizes must not be empty")
+        if query_len < 1:
+            raise ValueError(f"query_len must be >= 1, got {query_len}")
+        self.query_len = query_len
+        """Query tokens per request a graph has room for (1 for decode graphs)."""
         self.max_seq_len = max_seq_len
         """The longest context a request may reach: the attention launch is sized for it."""
         self.device = device
         n = self.sizes[-1]
+        rows = n + self._extra_rows
+        tokens = n * query_len
         # Inference tensors, like a step's inputs: Dynamo guards on the dispatch keys.
         with torch.inference_mode():
-            self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-            self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-            self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-            self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-            self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+            self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+            self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+            # Before a step's inputs arrive (warm-up and capture), every request holds
+            # query_len tokens of its own query_len positions.
+            self.seq_lens = torch.full((rows,), query_len, dtype=torch.int32, device=device)
+            self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
+            self.query_start_loc.mul_(query_len).clamp_(max=tokens)
             self.block_table = torch.zeros(
-                (n, max_blocks_per_req), dtype=torch.int32, device=device
+                (rows, max_blocks_per_req), dtype=torch.int32, device=device
             )
         self._graphs: dict[int, _Captured] = {}
         self._pool = pool
@@ -97,37 +110,21 @@ class DecodeCudaGraphs:
         """Device memory the captures took (the shared pool plus graph objects)."""
         self.num_replays = 0
 
+    _extra_rows = 0
+    """Metadata rows past the largest size (a varlen graph's padding request)."""
+
     @property
     def max_size(self) -> int:
         return self.sizes[-1]
 
     def padded_size(self, num_reqs: int) -> int | None:
-        """The captured size a batch of `num_reqs` decode requests runs at, or None."""
+        """The captured size a batch of `num_reqs` requests runs at, or None."""
         index = bisect.bisect_left(self.sizes, num_reqs)
         return self.sizes[index] if index < len(self.sizes) else None
 
-    def can_run(self, metadata: AttentionMetadata) -> bool:
-        """A uniform decode step whose batch fits a captured graph."""
-        return (
-            metadata.max_query_len == 1
-            and metadata.num_actual_tokens == metadata.num_reqs
-            and metadata.num_reqs <= self.max_size
-            and bool(self._graphs)
-        )
-
     def _metadata(self, size: int) -> AttentionMetadata:
-        """Metadata over the persistent buffers, as a captured graph sees it."""
-        return AttentionMetadata(
-            num_actual_tokens=size,
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size],
-            slot_mapping=self.slot_mapping[:size],
-            max_query_len=1,
-            max_seq_len=self.max_seq_len,
-            query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
-            seq_lens_cpu=torch.ones(size, dtype=torch.int32),
-        )
+        """Metadata over the persistent buffers, as a captured graph of `size` sees it."""
+        raise NotImplementedError
 
     @torch.inference_mode()
     def capture(self, attn_backend: object, attention_layers: list) -> None:
@@ -139,9 +136,10 @@ class DecodeCudaGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         sizes = sorted(self.sizes, reverse=True)
         gc.collect()
-        for size in tqdm(sizes, desc="Capturing decode CUDA graphs", unit="graph"):
+        for size in tqdm(sizes, desc=f"Capturing {self.kind} CUDA graphs", unit="graph"):
             metadata = self._metadata(size)
-            input_ids, positions = self.input_ids[:size], self.positions[:size]
+            tokens = metadata.num_actual_tokens
+            input_ids, positions = self.input_ids[:tokens], self.positions[:tokens]
             with set_forward_context(metadata, attn_backend, attention_layers):
                 # Warm-up outside capture: kernels compile and allocators settle here.
                 self.forward(input_ids, positions)
@@ -154,12 +152,44 @@ class DecodeCudaGraphs:
         self.pool_bytes = max(free_before - torch.cuda.mem_get_info(self.device)[0], 0)
         self.capture_s = time.perf_counter() - start
         logger.info(
-            "captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB",
+            "captured %d %s CUDA graphs (batch sizes %d..%d, %d query tokens a request) in "
+            "%.1f s, %.2f GiB",
             len(sizes),
+            self.kind,
             self.sizes[0],
             self.max_size,
+            self.query_len,
             self.capture_s,
             self.pool_bytes / 2**30,
+        )
+
+
+class DecodeCudaGraphs(_FullGraphs):
+    """Whole-forward CUDA graphs of uniform decode batches (one query token a request), one per
+    captured batch size."""
+
+    kind = "decode"
+
+    def can_run(self, metadata: AttentionMetadata) -> bool:
+        """A uniform decode step whose batch fits a captured graph."""
+        return (
+            metadata.max_query_len == 1
+            and metadata.num_actual_tokens == metadata.num_reqs
+            and metadata.num_reqs <= self.max_size
+            and bool(self._graphs)
+        )
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_actual_tokens=size,
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size],
+            slot_mapping=self.slot_mapping[:size],
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+            query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
+            seq_lens_cpu=torch.ones(size, dtype=torch.int32),
         )
 
     def run(
@@ -193,6 +223,101 @@ class DecodeCudaGraphs:
         self._graphs[size].graph.replay()
         self.num_replays += 1
         return self._graphs[size].output[:n]
+
+
+class VarlenCudaGraphs(_FullGraphs):
+    """Whole-forward CUDA graphs of steps whose requests each compute at most `query_len` tokens:
+    speculative decoding's verify steps (a decoding request's last token and its drafts), whose
+    query lengths differ per request and from step to step.
+
+    The graph of `size` requests is captured for size x query_len tokens and size + 1 requests
+    with the longest query `query_len`; the paged-attention launch covers any packing of those
+    tokens over those requests (its grid bounds the q-blocks by tokens and requests, not by the
+    query lengths). A step of n <= size requests and T tokens copies its packed inputs in; the
+    requests up to size get no token, and the last one owns the T..size x query_len padding
+    tokens (slot -1: no cache write; it attends over its own positions, so every computed row
+    is defined). Needs an attention backend whose captured launch depends only on those counts
+    (`supports_varlen_cudagraph`), and a forward whose ops mix no rows other than through
+    attention.
+    """
+
+    kind = "verify"
+    _extra_rows = 1
+
+    def __init__(
+        self,
+        forward: Forward,
+        capture_sizes: Iterable[int],
+        max_blocks_per_req: int,
+        max_seq_len: int,
+        device: torch.device,
+        pool: tuple[int, int] | None = None,
+        query_len: int = 2,
+        block_size: int = 16,
+    ) -> None:
+        capture_sizes = list(capture_sizes)
+        # The padding request may own every token of the largest graph: its positions.
+        most = max(capture_sizes, default=0) * query_len
+        width = max(max_blocks_per_req, -(-most // block_size))
+        super().__init__(forward, capture_sizes, width, max(max_seq_len, most), device, pool,
+                         query_len)  # fmt: skip
+
+    def can_run(self, metadata: AttentionMetadata) -> bool:
+        """A step whose requests each compute at most query_len tokens, in a captured size."""
+        return (
+            metadata.max_query_len <= self.query_len
+            and metadata.num_reqs <= self.max_size
+            and bool(self._graphs)
+        )
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        q, rows = self.query_len, size + 1
+        tokens = size * q
+        starts = torch.arange(rows + 1, dtype=torch.int32).mul_(q).clamp_(max=tokens)
+        return AttentionMetadata(
+            num_actual_tokens=tokens,
+            query_start_loc=self.query_start_loc[: rows + 1],
+            seq_lens=self.seq_lens[:rows],
+            block_table=self.block_table[:rows],
+            slot_mapping=self.slot_mapping[:tokens],
+            max_query_len=q,
+            max_seq_len=self.max_seq_len,
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=torch.full((rows,), q, dtype=torch.int32),
+        )
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """The forward of the step by graph replay: hidden states [num_tokens, hidden] (the
+        graph's output buffer: read it before the next replay). Any feed of the previous step's
+        tokens must already be in input_ids."""
+        n, num_tokens = metadata.num_reqs, metadata.num_actual_tokens
+        size = self.padded_size(n)
+        assert size is not None and size in self._graphs, f"no graph holds {n} requests"
+        write_varlen_inputs(
+            (
+                input_ids[:num_tokens],
+                positions[:num_tokens],
+                metadata.slot_mapping[:num_tokens],
+                metadata.query_start_loc,
+                metadata.seq_lens,
+                metadata.block_table,
+            ),
+            (
+                self.input_ids,
+                self.positions,
+                self.slot_mapping,
+                self.query_start_loc,
+                self.seq_lens,
+                self.block_table,
+            ),
+            size,
+            size * self.query_len,
+        )
+        self._graphs[size].graph.replay()
+        self.num_replays += 1
+        return self._graphs[size].output[:num_tokens]
 
 
 # ---- piecewise graphs -------------------------------------------------------------------------

@@ -214,6 +214,57 @@ def test_interpreter_backend_writes_cache_and_matches_cpu_backend():
     assert torch.equal(out_triton[4:], torch.zeros_like(out_triton[4:]))
 
 
+def _packed_into_a_verify_graph(case: dict, size: int, q: int, num_splits: int | None) -> tuple:
+    """The step `case` written into a verify graph's buffers (compile/cuda_graphs.py
+    VarlenCudaGraphs: size + 1 requests, size x q tokens, the longest query q) by the graph's
+    input kernel, and attended with the launch captured for that graph: (output, T)."""
+    from v1_engine.kernels.triton_inputs import write_varlen_inputs
+
+    device = case["query"].device
+    tokens = case["query"].shape[0]
+    graph_tokens = size * q
+    block_size = case["kv_cache"].shape[2]
+    width = max(case["block_table"].shape[1], -(-graph_tokens // block_size))
+    gen = torch.Generator().manual_seed(9)
+    # Stale buffers: garbage ids, positions and slots; any valid block ids in the table.
+    buffers = (
+        torch.randint(0, 1000, (graph_tokens,), generator=gen).to(device),
+        torch.randint(0, 1000, (graph_tokens,), generator=gen).to(device),
+        torch.randint(0, 1000, (graph_tokens,), generator=gen).to(device),
+        torch.zeros(size + 2, dtype=torch.int32, device=device),
+        torch.ones(size + 1, dtype=torch.int32, device=device),
+        torch.randint(0, case["kv_cache"].shape[1], (size + 1, width), generator=gen)
+        .int()
+        .to(device),
+    )
+    zeros = torch.zeros(tokens, dtype=torch.int64, device=device)
+    src = (zeros, zeros, zeros, case["query_start_loc"], case["seq_lens"], case["block_table"])
+    write_varlen_inputs(src, buffers, size, graph_tokens)
+    query = torch.randn(graph_tokens, *case["query"].shape[1:], generator=gen).to(case["query"])
+    query[:tokens] = case["query"]
+    output = torch.full_like(query, float("nan"))
+    ta.paged_attention(
+        query, case["kv_cache"], buffers[5], buffers[4], buffers[3], q,
+        max(case["max_seq_len"], graph_tokens), case["scale"], output, num_splits=num_splits,
+    )  # fmt: skip
+    return output, tokens
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 2])
+@pytest.mark.parametrize(
+    ("query_lens", "size"), [([5, 1, 3], 4), ([5, 5], 2), ([1], 8), ([2, 4, 1], 3)]
+)
+def test_a_step_packed_into_a_verify_graph_attends_as_alone(query_lens, size, num_splits):
+    """The verify graph's packing: the step's rows equal its attention alone, and every padding
+    row is written and finite (the padding request owns them; empty requests in between)."""
+    device = "cuda" if _CUDA else "cpu"
+    contexts = [20, 9, 33, 2][: len(query_lens)]
+    case = make_paged_case(query_lens, contexts, 4, 2, 16, 8, torch.float32, device, seed=4)
+    out, tokens = _packed_into_a_verify_graph(case, size, 5, num_splits)
+    assert rel_error(out[:tokens], reference(case)) < 1e-5
+    assert bool(out[tokens:].isfinite().all())
+
+
 @interpreter_only
 def test_interpreter_rejects_mismatched_arguments():
     case = make_paged_case([2], [3], 4, 2, 16, 4, torch.float32, "cpu", seed=5)

@@ -1,7 +1,7 @@
 """Speculative decoding on a tiny random-weight Llama in float32 (so every kernel path agrees to
 the argmax), on the CPU and the GPU: greedy output with n-gram drafts equal to the output without them, with
-verify steps eager (-O0) and through the piecewise CUDA graphs (-O2, where steps without drafts
-replay the full decode graphs)."""
+verify steps eager (-O0) and through their full CUDA graphs (-O2, where steps without drafts
+replay the decode graphs)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _run(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def _check(model_dir, **kwargs) -> None:
+def _check(model_dir, **kwargs) -> LLM:
     kwargs.update(dtype="float32", max_model_len=256, num_kv_blocks=128, max_num_seqs=16)
     expected = _run(LLM(str(model_dir), **kwargs))
     llm = LLM(str(model_dir), speculative_config=SPEC, **kwargs)
@@ -54,6 +54,7 @@ def _check(model_dir, **kwargs) -> None:
     assert _run(llm) == expected
     assert totals[1] > 15 and totals[0] >= totals[1]
     assert scheduler.kv_cache_manager.num_free_blocks == 128
+    return llm
 
 
 def test_drafts_leave_greedy_output_unchanged_on_the_cpu(tiny_llama_dir):
@@ -64,7 +65,13 @@ def test_drafts_leave_greedy_output_unchanged_on_the_cpu(tiny_llama_dir):
 @pytest.mark.parametrize("level", [0, 2])
 def test_drafts_leave_greedy_output_unchanged_on_the_gpu(tiny_llama_dir, level):
     assert torch.cuda.is_available()
-    _check(tiny_llama_dir, compilation_config=level)
+    llm = _check(tiny_llama_dir, compilation_config=level)
+    runner = llm.engine_core.model_runner
+    if level == 2:  # verify steps replayed their full graphs, steps without drafts the decode ones
+        assert runner._verify_graphs is not None and runner._verify_graphs.query_len == 5
+        assert runner._verify_graphs.num_replays > 10
+        assert runner._decode_graphs is not None and runner._decode_graphs.num_replays > 0
+        assert runner._forward.stats.num_traces <= 1  # no recompilation for the verify graphs
 
 
 def test_random_sampling_keeps_its_distribution(tiny_llama_dir):

@@ -20,6 +20,10 @@ class TritonAttentionBackend:
     name = "triton"
     supports_cudagraph = True
     """Launch shapes depend only on python ints fixed at capture: a decode step can be captured."""
+    supports_varlen_cudagraph = True
+    """A launch captured for T tokens, R requests and a longest query Q serves any step packing at
+    most T tokens over at most R requests, none longer than Q (the grid bounds q-blocks by tokens
+    and requests), the cache written by a kernel before it: verify steps can be captured."""
 
     def __init__(self, num_splits: int | None = None) -> None:
         """`num_splits` pins the split-KV factor (tests, graph capture); None picks per step."""

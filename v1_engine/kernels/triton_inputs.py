@@ -146,3 +146,146 @@ def write_decode_inputs(
         BLOCK=TABLE_BLOCK,
         num_warps=1,
     )
+
+
+# ---- steps of any query length up to a graph's (verify steps of speculative decoding) ------------
+
+
+@triton.jit
+def _varlen_inputs_kernel(
+    ids_ptr,
+    pos_ptr,
+    slot_ptr,
+    qsl_ptr,
+    seq_ptr,
+    table_ptr,
+    table_stride,
+    width,
+    out_ids_ptr,
+    out_pos_ptr,
+    out_slot_ptr,
+    out_qsl_ptr,
+    out_seq_ptr,
+    out_table_ptr,
+    out_table_stride,
+    n,
+    num_tokens,
+    size,
+    graph_tokens,
+    TOKEN_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    if r < n:  # a request of the step: its metadata row and its query tokens
+        start = tl.load(qsl_ptr + r)
+        end = tl.load(qsl_ptr + r + 1)
+        tl.store(out_qsl_ptr + r, start.to(out_qsl_ptr.dtype.element_ty))
+        tl.store(out_seq_ptr + r, tl.load(seq_ptr + r).to(out_seq_ptr.dtype.element_ty))
+        src_row = table_ptr + r.to(tl.int64) * table_stride
+        dst_row = out_table_ptr + r.to(tl.int64) * out_table_stride
+        for col in range(0, width, BLOCK):
+            offs = col + tl.arange(0, BLOCK)
+            valid = offs < width
+            tl.store(dst_row + offs, tl.load(src_row + offs, mask=valid), mask=valid)
+        for tok in range(start, end, TOKEN_BLOCK):
+            offs = tok + tl.arange(0, TOKEN_BLOCK)
+            valid = offs < end
+            ids = tl.load(ids_ptr + offs, mask=valid)
+            tl.store(out_ids_ptr + offs, ids.to(out_ids_ptr.dtype.element_ty), mask=valid)
+            pos = tl.load(pos_ptr + offs, mask=valid)
+            tl.store(out_pos_ptr + offs, pos.to(out_pos_ptr.dtype.element_ty), mask=valid)
+            slot = tl.load(slot_ptr + offs, mask=valid)
+            tl.store(out_slot_ptr + offs, slot.to(out_slot_ptr.dtype.element_ty), mask=valid)
+    elif r < size:  # a padding request of the captured size: no query token
+        tl.store(out_qsl_ptr + r, tl.full([], num_tokens, out_qsl_ptr.dtype.element_ty))
+        tl.store(out_seq_ptr + r, tl.full([], 1, out_seq_ptr.dtype.element_ty))
+    else:  # the graph's last request: every padding token, attending over its own positions
+        rest = graph_tokens - num_tokens
+        tl.store(out_qsl_ptr + r, tl.full([], num_tokens, out_qsl_ptr.dtype.element_ty))
+        tl.store(out_qsl_ptr + r + 1, tl.full([], graph_tokens, out_qsl_ptr.dtype.element_ty))
+        tl.store(out_seq_ptr + r, tl.maximum(rest, 1).to(out_seq_ptr.dtype.element_ty))
+        for tok in range(num_tokens, graph_tokens, TOKEN_BLOCK):
+            offs = tok + tl.arange(0, TOKEN_BLOCK)
+            valid = offs < graph_tokens
+            zero = tl.zeros([TOKEN_BLOCK], dtype=tl.int32)
+            tl.store(out_ids_ptr + offs, zero.to(out_ids_ptr.dtype.element_ty), mask=valid)
+            tl.store(out_pos_ptr + offs, zero.to(out_pos_ptr.dtype.element_ty), mask=valid)
+            tl.store(out_slot_ptr + offs, (zero - 1).to(out_slot_ptr.dtype.element_ty), mask=valid)
+
+
+def write_varlen_inputs(
+    src: tuple[torch.Tensor, ...],
+    dst: tuple[torch.Tensor, ...],
+    size: int,
+    graph_tokens: int,
+) -> None:
+    """Write a step of n requests and T tokens, `src` = (input_ids [T], positions [T],
+    slot_mapping [T], query_start_loc [n + 1], seq_lens [n], block_table [n, w]), into the
+    buffers `dst` (the same six) of a graph captured for `size` requests and `graph_tokens`
+    tokens, whose metadata covers size + 1 requests:
+
+    - requests 0..n-1 and tokens 0..T-1 are copied (block-table rows up to the step's width;
+      entries past it keep what they held, as the kernels reading them stop at the sequence
+      length);
+    - requests n..size-1 get no query token (their query start is T) and sequence length 1;
+    - request `size` owns tokens T..graph_tokens-1, the padding: ids and positions 0, slot -1
+      (no cache write), sequence length graph_tokens - T (at least 1), so every token the graph
+      computes belongs to a request and its attention output is defined.
+
+    ValueError naming the argument that does not fit."""
+    ids, positions, slots, qsl, seq_lens, table = src
+    out_ids, out_pos, out_slots, out_qsl, out_seq, out_table = dst
+    num_tokens, n = ids.shape[0], seq_lens.shape[0]
+    device = out_ids.device
+    if not n <= size:
+        raise ValueError(f"size ({size}) must be at least the step's {n} requests")
+    if not num_tokens <= graph_tokens:
+        raise ValueError(f"graph_tokens ({graph_tokens}) must be at least the step's {num_tokens}")
+    for name, tensor, rows in (
+        ("input_ids", ids, num_tokens),
+        ("positions", positions, num_tokens),
+        ("slot_mapping", slots, num_tokens),
+        ("query_start_loc", qsl, n + 1),
+        ("seq_lens", seq_lens, n),
+        ("graph input_ids", out_ids, graph_tokens),
+        ("graph positions", out_pos, graph_tokens),
+        ("graph slot_mapping", out_slots, graph_tokens),
+        ("graph query_start_loc", out_qsl, size + 2),
+        ("graph seq_lens", out_seq, size + 1),
+    ):
+        _check_rows(name, tensor, rows, device)
+    for name, t in (("block_table", table), ("graph block_table", out_table)):
+        if t.dim() != 2 or t.dtype != torch.int32 or t.stride(1) != 1 or t.device != device:
+            raise ValueError(
+                f"{name} must be a 2-D int32 tensor with unit column stride on {device}, got "
+                f"{tuple(t.shape)} {t.dtype} strides {t.stride()} on {t.device}"
+            )
+    if table.shape[0] < n or out_table.shape[0] < size + 1 or table.shape[1] > out_table.shape[1]:
+        raise ValueError(
+            f"block_table {tuple(table.shape)} must hold the step's {n} rows and fit the "
+            f"graph's {tuple(out_table.shape)} (at least {size + 1} rows)"
+        )
+    _varlen_inputs_kernel[(size + 1,)](
+        ids,
+        positions,
+        slots,
+        qsl,
+        seq_lens,
+        table,
+        table.stride(0),
+        table.shape[1],
+        out_ids,
+        out_pos,
+        out_slots,
+        out_qsl,
+        out_seq,
+        out_table,
+        out_table.stride(0),
+        n,
+        num_tokens,
+        size,
+        graph_tokens,
+        TOKEN_BLOCK=16,
+        BLOCK=TABLE_BLOCK,
+        num_warps=1,
+    )

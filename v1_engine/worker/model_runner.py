@@ -48,7 +48,7 @@ from v1_engine.worker.step_inputs import StepInputs, prepare_step_inputs
 from v1_engine.worker.step_output import PendingTokens, StepOutput, copy_to_host
 
 if TYPE_CHECKING:
-    from compile.cuda_graphs import DecodeCudaGraphs, PiecewiseCudaGraphs
+    from compile.cuda_graphs import DecodeCudaGraphs, PiecewiseCudaGraphs, VarlenCudaGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,9 @@ class ModelRunner:
         """Full CUDA graphs of decode steps (level 2 on CUDA), captured after the KV cache."""
         self._piecewise_graphs: PiecewiseCudaGraphs | None = None
         """Piecewise CUDA graphs of any step up to the largest size (level >= 1 on CUDA)."""
+        self._verify_graphs: VarlenCudaGraphs | None = None
+        """Full CUDA graphs of speculative decoding's verify steps (level 2 on CUDA, drafts on,
+        an attention backend that captures any query length)."""
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -205,6 +208,30 @@ class ModelRunner:
         return cc.capture_sizes(self.config.scheduler_config.max_num_seqs)
 
     @functools.cached_property
+    def _verify_query_len(self) -> int:
+        """Query tokens a request computes in a verify step: its last token and its drafts (0
+        without speculative decoding)."""
+        spec = self.config.speculative_config
+        return 1 + spec.num_speculative_tokens if spec.enabled else 0  # type: ignore[operator]
+
+    @functools.cached_property
+    def _verify_graph_sizes(self) -> list[int]:
+        """Requests per verify graph (level 2, drafts on, a backend that captures any query
+        length, no MLA): the decode graphs' sizes whose tokens fit the step's token budget."""
+        q = self._verify_query_len
+        if not q or not self._decode_graph_sizes:
+            return []
+        if not getattr(self.attn_backend, "supports_varlen_cudagraph", False):
+            logger.info("attention backend %s: verify steps run piecewise", self.attn_backend)
+            return []
+        from v1_engine.layers.mla import MLAAttention
+
+        if any(isinstance(x, MLAAttention) for x in self.model.attention_layers()):
+            return []
+        budget = self.config.scheduler_config.max_num_batched_tokens
+        return [n for n in self._decode_graph_sizes if n * q <= budget]
+
+    @functools.cached_property
     def _piecewise_graph_sizes(self) -> list[int]:
         """Tokens per piecewise graph (level >= 1, `piecewise_cudagraphs`); empty when none."""
         cc = self.config.compilation_config
@@ -216,8 +243,9 @@ class ModelRunner:
     @functools.cached_property
     def _cudagraph_sizes(self) -> list[int]:
         """Every size some graph is captured for (requests of a decode graph, tokens of a
-        piecewise graph), ascending; empty when graphs are off."""
-        return sorted(set(self._decode_graph_sizes) | set(self._piecewise_graph_sizes))
+        piecewise or verify graph), ascending; empty when graphs are off."""
+        verify = {n * self._verify_query_len for n in self._verify_graph_sizes}
+        return sorted(set(self._decode_graph_sizes) | set(self._piecewise_graph_sizes) | verify)
 
     def _cudagraph_reserve_bytes(self) -> int:
         """Memory the graphs' shared pool will take, measured before the KV pool exists: the peak
@@ -324,7 +352,7 @@ class ModelRunner:
         state = getattr(getattr(self._forward, "backend", None), "graph_state", None)
         if not self._cudagraph_sizes or state is None:
             return
-        from compile.cuda_graphs import DecodeCudaGraphs, PiecewiseCudaGraphs
+        from compile.cuda_graphs import DecodeCudaGraphs, PiecewiseCudaGraphs, VarlenCudaGraphs
 
         layers = self.model.attention_layers()
         pool = torch.cuda.graph_pool_handle()
@@ -340,6 +368,19 @@ class ModelRunner:
             )
             decode.capture(self.attn_backend, layers)
             self._decode_graphs = decode
+        if self._verify_graph_sizes:
+            verify = VarlenCudaGraphs(
+                self._forward,
+                self._verify_graph_sizes,
+                max_blocks_per_req=-(-self.max_model_len // self.block_size),
+                max_seq_len=self.max_model_len,
+                device=self.device,
+                pool=pool,
+                query_len=self._verify_query_len,
+                block_size=self.block_size,
+            )
+            verify.capture(self.attn_backend, layers)
+            self._verify_graphs = verify
         if self._piecewise_graph_sizes:
             piecewise = PiecewiseCudaGraphs(
                 self._forward, state, self._piecewise_graph_sizes, self.device, pool=pool
@@ -497,7 +538,8 @@ class ModelRunner:
         return drafts
 
     def _run_forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states of the step: a decode graph, piecewise graphs, or the plain forward.
+        """Hidden states of the step: a decode graph, a verify graph (each request at most 1 +
+        drafts tokens, with speculative decoding), piecewise graphs, or the plain forward.
 
         The previous step's sampled tokens, still on the device, become this step's inputs
         where this step computes them (a decode step's only token): the decode graph's input
@@ -516,6 +558,9 @@ class ModelRunner:
             input_ids.index_copy_(
                 0, inputs.feed_dst, pending.device_ids.index_select(0, inputs.feed_src)
             )
+        verify = self._verify_graphs
+        if verify is not None and verify.can_run(metadata):
+            return verify.run(input_ids, positions, metadata)
         layers = self.model.attention_layers()
         piecewise = self._piecewise_graphs
         if piecewise is not None and piecewise.can_run(metadata):
