@@ -147,6 +147,13 @@ def main() -> None:
     parser.add_argument(
         "--num-prompts", type=int, default=None, help="conversations per workload (default: batch)"
     )
+    parser.add_argument(
+        "--draft-backoff",
+        type=int,
+        nargs="+",
+        default=[8],
+        help="speculative_config.draft_backoff values (an engine for each k and value; 0: none)",
+    )
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -169,13 +176,18 @@ def main() -> None:
         from bench_utils import model_dir
 
         common.update(model=model_dir(args.config)[0], load_format="dummy", dtype="bfloat16")
-    engines = {}
-    for i, k in enumerate([0, *args.k]):
-        spec = {"method": "ngram", "num_speculative_tokens": k} if k else None
+    engines: dict[str, LLM] = {}
+    variants = [("none", None)]
+    for k in args.k:
+        for b in args.draft_backoff:
+            label = str(k) if len(args.draft_backoff) == 1 else f"{k}, back-off {b}"
+            variants.append((label, {"method": "ngram", "num_speculative_tokens": k,
+                                     "draft_backoff": b}))  # fmt: skip
+    for i, (label, spec) in enumerate(variants):
         if args.gpu_memory_utilization is not None:
             # The profile counts the engines built before this one as used memory.
             common["gpu_memory_utilization"] = args.gpu_memory_utilization * (i + 1)
-        engines[k] = LLM(speculative_config=spec, **common)
+        engines[label] = LLM(speculative_config=spec, **common)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
     print(
@@ -191,9 +203,9 @@ def main() -> None:
     else:
         cases = {name: (convs, params) for name, convs in workloads(count).items()}
     for name, (conversations, case_params) in cases.items():
-        best: dict[int, float] = {}
-        tokens: dict[int, list[list[int]]] = {}
-        counters: dict[int, Counter] = {}
+        best: dict[str, float] = {}
+        tokens: dict[str, list[list[int]]] = {}
+        counters: dict[str, Counter] = {}
         for _ in range(args.rounds):
             for k, llm in engines.items():
                 elapsed, out, counter = run(llm, conversations, case_params, args.batch)
@@ -205,11 +217,11 @@ def main() -> None:
             kept = f"{c.accepted / c.draft_tokens:.0%}" if c.draft_tokens else "-"
             # Every step of a drafted request yields kept + 1 tokens.
             per_verify = f"{(c.accepted + c.drafts) / c.drafts:.2f}" if c.drafts else "-"
-            equal = "yes" if tokens[k] == tokens[0] else "NO"
+            equal = "yes" if tokens[k] == tokens["none"] else "NO"
             if name == "reject":
                 equal = "random"  # seeded, but drafts change which draw a position takes
             print(
-                f"| {name} | {k or 'none'} | {best[k]:.1f} | {best[k] / best[0]:.2f}x | {kept} "
+                f"| {name} | {k} | {best[k]:.1f} | {best[k] / best['none']:.2f}x | {kept} "
                 f"| {per_verify} | {equal} |"
             )
 

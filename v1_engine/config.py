@@ -347,6 +347,10 @@ class SpeculativeConfig:
     """ngram: the longest suffix of the request's tokens looked up (tried first)."""
     prompt_lookup_min: int = 2
     """ngram: the shortest suffix looked up; a shorter match proposes nothing."""
+    draft_backoff: int = 8
+    """A request whose drafts keep failing drafts less: after m >= 2 verify steps in a row that
+    kept none of its drafts, it skips the next min(2^(m-2), draft_backoff) steps' drafts (any
+    kept draft resets it). 0 drafts every step. The output is the same either way."""
 
     @property
     def enabled(self) -> bool:
@@ -392,6 +396,9 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
             )
+        b = self.draft_backoff
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise ValueError(f"speculative_config.draft_backoff must be an int >= 0, got {b!r}")
 
 
 def _from_fields(cls: type, value: dict[str, Any], name: str) -> Any:

@@ -15,7 +15,7 @@ from v1_engine import LLM, AsyncEngine, SamplingParams, StructuredOutputsParams
 from v1_engine.config import EngineConfig
 from v1_engine.entrypoints.cli import engine_kwargs, make_parser
 from v1_engine.metrics.base import StatLoggerBase
-from v1_engine.spec_decode.ngram import propose_ngram
+from v1_engine.spec_decode.ngram import DraftBackoff, propose_ngram
 from v1_engine.spec_decode.verify import accept_drafts
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
@@ -68,6 +68,32 @@ def test_kept_tokens_stop_at_the_first_wrong_draft():
         accept_drafts([4, 5], [1, 2])
 
 
+def test_backoff_skips_drafts_after_failures_and_resets_on_a_kept_one():
+    backoff = DraftBackoff(max_pause=4)
+
+    def steps(n: int) -> list[bool]:
+        return [backoff.allow() for _ in range(n)]
+
+    backoff.record(4, 0)  # one miss: draft again at once
+    assert steps(1) == [True]
+    backoff.record(0, 0)  # a step without drafts changes nothing
+    backoff.record(4, 0)  # two misses in a row: skip 1
+    assert steps(2) == [False, True]
+    backoff.record(3, 0)  # three: skip 2
+    assert steps(3) == [False, False, True]
+    backoff.record(4, 0)
+    assert steps(5) == [False] * 4 + [True]
+    backoff.record(4, 0)  # capped at max_pause
+    assert steps(5) == [False] * 4 + [True]
+    backoff.record(4, 1)  # a kept draft resets: the next miss pauses nothing
+    backoff.record(4, 0)
+    assert steps(1) == [True]
+    off = DraftBackoff(max_pause=0)
+    for _ in range(5):
+        off.record(4, 0)
+    assert off.allow()
+
+
 # --- the config --------------------------------------------------------------------------------
 
 
@@ -83,6 +109,10 @@ def test_kept_tokens_stop_at_the_first_wrong_draft():
             r"prompt_lookup_min \(5\) must be <= prompt_lookup_max \(4\)",
         ),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown .*lookahead"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "draft_backoff": -1},
+            r"speculative_config.draft_backoff must be an int >= 0, got -1",
+        ),
         ("ngram", "speculative_config must be a dict"),
     ],
 )

@@ -110,3 +110,36 @@ def test_random_sampling_keeps_its_distribution(tiny_llama_dir):
     assert 0.1 < share_plain < 0.9  # the coin is not all one side
     assert share_spec == pytest.approx(share_plain, abs=0.04)
     assert repeats_spec == pytest.approx(repeats_plain, abs=0.04)
+
+
+def test_backoff_drafts_less_where_drafts_fail_and_changes_no_token(tiny_llama_dir):
+    """Random weights: 1-gram drafts are proposed often and rarely kept. With the back-off a
+    request drafts far fewer tokens and outputs the same tokens."""
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(10, 60, (24,), generator=generator).tolist() for _ in range(8)]
+    # 50 allowed tokens and a frequency penalty: greedy output does not loop, and the bigrams
+    # drafts copy rarely come true.
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, frequency_penalty=2.0,
+                            allowed_token_ids=list(range(10, 60)))  # fmt: skip
+    results = []
+    for backoff in (0, 8):
+        spec = {**SPEC, "prompt_lookup_min": 1, "draft_backoff": backoff}
+        llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, num_kv_blocks=128,
+                  speculative_config=spec)  # fmt: skip
+        scheduler = llm.engine_core.scheduler
+        totals = [0, 0]
+        original = scheduler.make_stats
+
+        def counting(original=original, totals=totals):
+            stats = original()
+            totals[0] += stats.spec_num_draft_tokens
+            totals[1] += stats.spec_num_accepted_tokens
+            return stats
+
+        scheduler.make_stats = counting
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results.append(([o.outputs[0].token_ids for o in outputs], *totals))
+    (plain_tokens, plain_drafts, plain_kept), (tokens, drafts, _) = results
+    assert tokens == plain_tokens
+    assert plain_drafts > 200 and plain_kept < plain_drafts / 4  # drafts mostly fail here
+    assert 0 < drafts < plain_drafts / 2  # 304 vs 857 when written

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from v1_engine.sampling_params import SamplingParams
+from v1_engine.spec_decode.ngram import DraftBackoff
 from v1_engine.structured_output import RequestGrammar
 
 
@@ -27,6 +28,8 @@ class CachedRequestState:
     eos_token_id: int | None
     grammar: RequestGrammar | None = None
     """The structured-output matcher of a request with `structured_outputs`."""
+    backoff: DraftBackoff | None = None
+    """With speculative decoding: when this request skips its drafts."""
 
     @property
     def num_tokens(self) -> int:

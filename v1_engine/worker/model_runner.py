@@ -27,7 +27,7 @@ from v1_engine.sample.logprobs import compute_prompt_logprobs
 from v1_engine.sample.metadata import SamplingMetadata
 from v1_engine.sample.sampler import Sampler
 from v1_engine.sampling_params import SamplingParams
-from v1_engine.spec_decode.ngram import NgramProposer
+from v1_engine.spec_decode.ngram import DraftBackoff, NgramProposer
 from v1_engine.spec_decode.verify import accept_drafts
 from v1_engine.structured_output import (
     GrammarCompilerService,
@@ -504,7 +504,11 @@ class ModelRunner:
             batch.num_computed_tokens[row] -= len(drafts) + 1 - len(kept)
             batch.append_tokens(req_id, kept)
             accepted[req_id] = kept
-            proposal = self._propose(req_id)
+            state = batch.states[req_id]
+            if state.backoff is None:
+                state.backoff = DraftBackoff(self.config.speculative_config.draft_backoff)
+            state.backoff.record(len(drafts), len(kept) - 1)
+            proposal = self._propose(req_id) if state.backoff.allow() else []
             if proposal:
                 next_drafts[req_id] = proposal
         return StepOutput(
