@@ -154,6 +154,11 @@ def main() -> None:
         default=[8],
         help="speculative_config.draft_backoff values (an engine for each k and value; 0: none)",
     )
+    parser.add_argument(
+        "--verify-graphs",
+        action="store_true",
+        help="compilation_config verify_cudagraphs: full CUDA graphs for verify steps",
+    )
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -172,6 +177,8 @@ def main() -> None:
     args = parser.parse_args()
 
     common: dict = {"model": args.model, "max_model_len": args.max_model_len}
+    if args.verify_graphs:
+        common["compilation_config"] = {"verify_cudagraphs": True}
     if args.config is not None:
         from bench_utils import model_dir
 

@@ -292,9 +292,20 @@ class VarlenCudaGraphs(_FullGraphs):
         """The forward of the step by graph replay: hidden states [num_tokens, hidden] (the
         graph's output buffer: read it before the next replay). Any feed of the previous step's
         tokens must already be in input_ids."""
+        size = self.write_inputs(input_ids, positions, metadata)
+        assert size in self._graphs, f"no graph of {size} requests"
+        self._graphs[size].graph.replay()
+        self.num_replays += 1
+        return self._graphs[size].output[: metadata.num_actual_tokens]
+
+    def write_inputs(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+    ) -> int:
+        """The step's inputs into the buffers of the graph that runs it; returns its size (the
+        graph then reads the buffers as `_metadata(size)` describes them)."""
         n, num_tokens = metadata.num_reqs, metadata.num_actual_tokens
         size = self.padded_size(n)
-        assert size is not None and size in self._graphs, f"no graph holds {n} requests"
+        assert size is not None, f"no graph holds {n} requests"
         write_varlen_inputs(
             (
                 input_ids[:num_tokens],
@@ -315,9 +326,7 @@ class VarlenCudaGraphs(_FullGraphs):
             size,
             size * self.query_len,
         )
-        self._graphs[size].graph.replay()
-        self.num_replays += 1
-        return self._graphs[size].output[:num_tokens]
+        return size
 
 
 # ---- piecewise graphs -------------------------------------------------------------------------

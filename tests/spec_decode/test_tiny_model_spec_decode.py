@@ -61,13 +61,18 @@ def test_drafts_leave_greedy_output_unchanged_on_the_cpu(tiny_llama_dir):
     _check(tiny_llama_dir)
 
 
+VERIFY_GRAPHS = {"level": 2, "verify_cudagraphs": True}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("level", [0, 2])
+@pytest.mark.parametrize("level", [0, 2, VERIFY_GRAPHS], ids=["O0", "O2", "O2-verify-graphs"])
 def test_drafts_leave_greedy_output_unchanged_on_the_gpu(tiny_llama_dir, level):
     assert torch.cuda.is_available()
     llm = _check(tiny_llama_dir, compilation_config=level)
     runner = llm.engine_core.model_runner
-    if level == 2:  # verify steps replayed their full graphs, steps without drafts the decode ones
+    if level == 2:
+        assert runner._verify_graphs is None  # verify steps run the piecewise graphs
+    if level == VERIFY_GRAPHS:  # verify steps replayed full graphs, the others decode graphs
         assert runner._verify_graphs is not None and runner._verify_graphs.query_len == 5
         assert runner._verify_graphs.num_replays > 10
         assert runner._decode_graphs is not None and runner._decode_graphs.num_replays > 0
@@ -143,3 +148,79 @@ def test_backoff_drafts_less_where_drafts_fail_and_changes_no_token(tiny_llama_d
     assert tokens == plain_tokens
     assert plain_drafts > 200 and plain_kept < plain_drafts / 4  # drafts mostly fail here
     assert 0 < drafts < plain_drafts / 2  # 304 vs 857 when written
+
+
+@pytest.mark.gpu
+def test_verify_graphs_compute_what_the_eager_forward_does(tiny_llama_dir):
+    """Every verify step replayed from a full graph (its inputs packed, padded with empty
+    requests and the padding request's tokens) gives the step's hidden states the eager forward
+    gives for the same inputs, in float32."""
+    from v1_engine.forward_context import set_forward_context
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=128,
+              max_num_seqs=16, speculative_config=SPEC, compilation_config=VERIFY_GRAPHS)  # fmt: skip
+    runner = llm.engine_core.model_runner
+    graphs = runner._verify_graphs
+    assert graphs is not None
+    original = runner._run_forward
+    errors: list[tuple[int, int, float]] = []
+
+    def both(inputs):
+        metadata = inputs.metadata
+        if metadata.max_query_len == 1 or not graphs.can_run(metadata):
+            return original(inputs)
+        replayed = graphs.run(inputs.input_ids, inputs.positions, metadata).clone()
+        layers = runner.model.attention_layers()
+        with set_forward_context(metadata, runner.attn_backend, layers):
+            eager = runner.model(inputs.input_ids, inputs.positions)
+        error = float((replayed - eager).abs().max() / eager.abs().max())
+        errors.append((metadata.num_reqs, metadata.num_actual_tokens, error))
+        return eager
+
+    runner._run_forward = both
+    _run(llm)
+    assert len(errors) > 10
+    worst = max(errors, key=lambda e: e[2])
+    assert worst[2] < 1e-4, (worst, errors[:20])
+
+
+def test_verify_graph_inputs_compute_what_the_step_alone_does_on_the_cpu(tiny_llama_dir):
+    """A verify graph's packing without the graph (CPU, Triton attention under the interpreter):
+    a verify step's inputs written into the buffers of the graph that would run it, the forward
+    run over those buffers as the captured metadata describes them, gives the step's hidden
+    states (the first 12 verify steps are checked so; the others run as usual), and the greedy
+    output stays the output without drafts."""
+    from compile.cuda_graphs import VarlenCudaGraphs
+    from v1_engine.forward_context import set_forward_context
+
+    kwargs = {"dtype": "float32", "max_model_len": 256, "num_kv_blocks": 128, "max_num_seqs": 16}
+    expected = _run(LLM(str(tiny_llama_dir), **kwargs))
+    llm = LLM(str(tiny_llama_dir), speculative_config=SPEC, attention_backend="triton", **kwargs)
+    runner = llm.engine_core.model_runner
+    layers = runner.model.attention_layers()
+    graphs = VarlenCudaGraphs(runner.model, [1, 2, 4, 8, 16], max_blocks_per_req=16,
+                              max_seq_len=256, device=runner.device, query_len=5,
+                              block_size=runner.block_size)  # fmt: skip
+    graphs._graphs = dict.fromkeys(graphs.sizes)  # as if captured: can_run holds
+    original = runner._run_forward
+    errors: list[float] = []
+
+    def packed(inputs):
+        metadata = inputs.metadata
+        if len(errors) >= 12 or metadata.max_query_len == 1 or not graphs.can_run(metadata):
+            return original(inputs)
+        with set_forward_context(metadata, runner.attn_backend, layers):
+            alone = runner.model(inputs.input_ids, inputs.positions)
+        size = graphs.write_inputs(inputs.input_ids, inputs.positions, metadata)
+        padded = graphs._metadata(size)
+        tokens = padded.num_actual_tokens
+        with set_forward_context(padded, runner.attn_backend, layers):
+            hidden = runner.model(graphs.input_ids[:tokens], graphs.positions[:tokens])
+        assert bool(hidden.isfinite().all())
+        n = metadata.num_actual_tokens
+        errors.append(float((hidden[:n] - alone).abs().max() / alone.abs().max()))
+        return hidden[:n]
+
+    runner._run_forward = packed
+    assert _run(llm) == expected
+    assert len(errors) == 12 and max(errors) < 1e-5

@@ -216,10 +216,13 @@ class ModelRunner:
 
     @functools.cached_property
     def _verify_graph_sizes(self) -> list[int]:
-        """Requests per verify graph (level 2, drafts on, a backend that captures any query
-        length, no MLA): the decode graphs' sizes whose tokens fit the step's token budget."""
+        """Requests per verify graph (level 2, drafts on, `verify_cudagraphs`, a backend that
+        captures any query length, no MLA): the decode graphs' sizes whose tokens fit the
+        step's token budget."""
         q = self._verify_query_len
         if not q or not self._decode_graph_sizes:
+            return []
+        if not self.config.compilation_config.verify_cudagraphs:
             return []
         if not getattr(self.attn_backend, "supports_varlen_cudagraph", False):
             logger.info("attention backend %s: verify steps run piecewise", self.attn_backend)
