@@ -43,6 +43,59 @@ LLAMA3 = [
     ('{"name": "now", "parameters": {', '{"name": "now", "parameters": {', []),
 ]
 
+MISTRAL = [
+    (  # v11+ tokenizers: name[ARGS]{...}, one after the other
+        'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon", "days": [1, 2]}[TOOL_CALLS]now[ARGS]{}',
+        "Checking.",
+        [ParsedCall("get_weather", '{"city": "Lyon", "days": [1, 2]}'), ParsedCall("now", "{}")],
+    ),
+    (  # older tokenizers: a JSON array
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Nice"}}, {"name": "now", "arguments": {}}]',
+        "",
+        [ParsedCall("get_weather", '{"city": "Nice"}'), ParsedCall("now", "{}")],
+    ),
+    ("No call [TOOL", "No call [TOOL", []),  # a partial marker at the end goes out
+    ('[TOOL_CALLS]get_weather[ARGS]{"city', '[TOOL_CALLS]get_weather[ARGS]{"city', []),  # cut
+    ("[TOOL_CALLS]not a call", "[TOOL_CALLS]not a call", []),
+]
+PYTHONIC = [
+    (
+        '[get_weather(city="San Francisco", units=["c", "f"]), now()]',
+        "",
+        [
+            ParsedCall("get_weather", '{"city": "San Francisco", "units": ["c", "f"]}'),
+            ParsedCall("now", "{}"),
+        ],
+    ),
+    (
+        "<|python_start|>[add(a=1, b=2.5, exact=True)]<|python_end|>",
+        "",
+        [ParsedCall("add", '{"a": 1, "b": 2.5, "exact": true}')],
+    ),
+    ("[1, 2, 3]", "[1, 2, 3]", []),  # a list, but not of calls
+    ("[f(x)]", "[f(x)]", []),  # positional / non-literal arguments: not a call
+    ("[f(a=", "[f(a=", []),
+    ("Paris is the capital.", "Paris is the capital.", []),
+]
+DS = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+)
+DEEPSEEK = [
+    (
+        (f"Let me check.{DS[0]}{DS[1]}function{DS[2]}get_weather\n```json\n{{\"city\": \"Rome\"}}\n```{DS[3]}"
+         f"{DS[1]}function{DS[2]}now\n```json\n{{}}\n```{DS[3]}{DS[4]}"),
+        "Let me check.",
+        [ParsedCall("get_weather", '{"city": "Rome"}'), ParsedCall("now", "{}")],
+    ),
+    (f"{DS[0]}{DS[1]}function{DS[2]}get_weather\n```json\n{{\"ci", None, []),  # cut: all content
+    ("Plain answer.", "Plain answer.", []),
+]  # fmt: skip
+DEEPSEEK[1] = (DEEPSEEK[1][0], DEEPSEEK[1][0], [])
+
 
 def _streamed(parser: str, text: str, piece: int) -> Parsed:
     streamer = TOOL_PARSERS[parser]()
@@ -55,7 +108,11 @@ def _streamed(parser: str, text: str, piece: int) -> Parsed:
 
 @pytest.mark.parametrize(
     ("parser", "text", "content", "calls"),
-    [("hermes", *case) for case in HERMES] + [("llama3_json", *case) for case in LLAMA3],
+    [("hermes", *case) for case in HERMES]
+    + [("llama3_json", *case) for case in LLAMA3]
+    + [("mistral", *case) for case in MISTRAL]
+    + [("pythonic", *case) for case in PYTHONIC]
+    + [("deepseek_v3", *case) for case in DEEPSEEK],
 )
 def test_calls_and_content_whole_and_streamed(parser, text, content, calls):
     whole = parse_tool_calls(parser, text)
@@ -76,3 +133,17 @@ def test_streaming_holds_back_only_what_may_become_a_call():
     assert llama.feed(" ").content == ""  # undecided
     assert llama.feed("Hello").content == " Hello"  # text: streamed from now on
     assert llama.feed(" world").content == " world"
+
+
+def test_parsers_whose_markers_are_special_tokens_keep_them_in_the_text():
+    from v1_engine.entrypoints.protocol_openai import ChatCompletionRequest
+
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+    body = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], tools=tools
+    )
+    assert body.to_sampling_params(16, "mistral").skip_special_tokens is False
+    assert body.to_sampling_params(16, "deepseek_v3").skip_special_tokens is False
+    assert body.to_sampling_params(16, "hermes").skip_special_tokens is True
+    no_tools = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert no_tools.to_sampling_params(16, "mistral").skip_special_tokens is True

@@ -343,6 +343,11 @@ class ChatCompletionRequest(SamplingFields):
                     "(response_format, structured_outputs or guided_*) cannot both hold; set one"
                 )
             kwargs["structured_outputs"] = plan.structured
+        if plan.parser is not None:
+            from v1_engine.entrypoints.tool_parsers import TOOL_PARSERS
+
+            if TOOL_PARSERS[plan.parser].keeps_special_tokens:  # the calls' markers stay
+                kwargs["skip_special_tokens"] = False
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
 
 

@@ -5,6 +5,15 @@ own format, and the parser reads the calls out of its text, whole or as it strea
   blocks; the text around them is content.
 - `llama3_json` (Llama 3.1 - 3.3): the output is one JSON object `{"name": ..., "parameters":
   {...}}` (after `<|python_tag|>` where the tokenizer keeps it), or several separated by `;`.
+- `mistral` (Mistral / Mixtral instruct, Mistral Small / Large, Ministral): after
+  `[TOOL_CALLS]`, a JSON array of `{"name": ..., "arguments": {...}}` (tokenizers before v11) or
+  `name[ARGS]{...}` calls one after the other (v11 and later); text before it is content.
+- `pythonic` (Llama 3.2 / Llama 4, ToolACE and others): the output is a Python list of calls
+  with literal keyword arguments, `[get_weather(city="Paris"), get_time(zone="CET")]` (inside
+  `<|python_start|>` ... `<|python_end|>` where the tokenizer keeps them).
+- `deepseek_v3` (DeepSeek-V3 / R1): `<｜tool▁calls▁begin｜>` then per call
+  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>name` and its arguments as a ```json block,
+  `<｜tool▁call▁end｜>`; text before it is content.
 
 One streaming implementation serves both uses: a whole text is fed at once. A streamer holds back
 only what might still turn into a call (the start of a tag, an unfinished block); a block that
@@ -52,6 +61,10 @@ def _call(obj: Any, arguments_keys: tuple[str, ...]) -> ParsedCall | None:
 
 class ToolStreamer:
     """Incremental parsing of one completion."""
+
+    keeps_special_tokens = False
+    """Whether the calls' markers are special tokens the detokenizer must keep (the request's
+    skip_special_tokens is then turned off)."""
 
     def feed(self, text: str) -> Parsed:
         raise NotImplementedError
@@ -114,6 +127,7 @@ class HermesStreamer(ToolStreamer):
 
 class Llama3JsonStreamer(ToolStreamer):
     TAG = "<|python_tag|>"
+    START = "{"
 
     def __init__(self) -> None:
         self._buffer = ""
@@ -129,7 +143,7 @@ class Llama3JsonStreamer(ToolStreamer):
             head = self._buffer.lstrip()
             if not head or (self.TAG.startswith(head) and head != self.TAG):
                 return Parsed()  # not decidable yet
-            self._mode = "json" if head.startswith(("{", self.TAG)) else "text"
+            self._mode = "json" if head.startswith((self.START, self.TAG)) else "text"
             if self._mode == "text":
                 text, self._buffer = self._buffer, ""
                 return Parsed(content=text)
@@ -161,6 +175,139 @@ class Llama3JsonStreamer(ToolStreamer):
             calls.append(call)
 
 
+class _MarkerStreamer(ToolStreamer):
+    """Content streams until MARKER; from there the rest of the output is held and read as calls
+    at the end (`_parse` of the text after the marker; None: it was not calls, all content)."""
+
+    MARKER = ""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._held = False
+
+    def feed(self, text: str) -> Parsed:
+        self._buffer += text
+        if self._held:
+            return Parsed()
+        start = self._buffer.find(self.MARKER)
+        if start >= 0:
+            content, self._buffer = self._buffer[:start], self._buffer[start:]
+            self._held = True
+            return Parsed(content=content)
+        keep = _partial_suffix(self._buffer, self.MARKER)
+        cut = len(self._buffer) - keep
+        content, self._buffer = self._buffer[:cut], self._buffer[cut:]
+        return Parsed(content=content)
+
+    def finish(self) -> Parsed:
+        text, self._buffer = self._buffer, ""
+        if not self._held:
+            return Parsed(content=text)
+        self._held = False
+        calls = self._parse(text[len(self.MARKER) :])
+        return Parsed(calls=calls) if calls else Parsed(content=text)
+
+    @staticmethod
+    def _parse(text: str) -> list[ParsedCall] | None:
+        raise NotImplementedError
+
+
+class MistralStreamer(_MarkerStreamer):
+    MARKER = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+    keeps_special_tokens = True
+
+    @classmethod
+    def _parse(cls, text: str) -> list[ParsedCall] | None:
+        text = text.strip()
+        if text.startswith("["):  # the JSON array of tokenizers before v11
+            try:
+                objs = json.loads(text)
+            except ValueError:
+                return None
+            objs = objs if isinstance(objs, list) else [objs]
+            calls = [_call(obj, ("arguments", "parameters")) for obj in objs]
+            return None if not calls or None in calls else calls  # type: ignore[return-value]
+        decoder = json.JSONDecoder()
+        calls, position = [], 0
+        while position < len(text):  # name[ARGS]{...}, repeated (maybe after another marker)
+            if text.startswith(cls.MARKER, position):
+                position += len(cls.MARKER)
+            args = text.find(cls.ARGS, position)
+            if args < 0:
+                return None
+            name = text[position:args].strip()
+            try:
+                arguments, position = decoder.raw_decode(text, args + len(cls.ARGS))
+            except ValueError:
+                return None
+            if not name or not isinstance(arguments, dict):
+                return None
+            calls.append(ParsedCall(name, json.dumps(arguments, ensure_ascii=False)))
+            while position < len(text) and text[position].isspace():
+                position += 1
+        return calls or None
+
+
+class DeepSeekV3Streamer(_MarkerStreamer):
+    MARKER = "<｜tool▁calls▁begin｜>"
+    CALL_BEGIN, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+    END = "<｜tool▁calls▁end｜>"
+    keeps_special_tokens = True
+
+    @classmethod
+    def _parse(cls, text: str) -> list[ParsedCall] | None:
+        text = text.strip().removesuffix(cls.END).strip()
+        calls = []
+        for block in text.split(cls.CALL_BEGIN)[1:]:
+            block = block.split(cls.CALL_END)[0]
+            kind, sep, rest = block.partition(cls.SEP)
+            if not sep or kind.strip() != "function":
+                return None
+            name, _, arguments = rest.partition("\n")
+            arguments = arguments.strip().removeprefix("```json").removesuffix("```").strip()
+            try:
+                obj = json.loads(arguments)
+            except ValueError:
+                return None
+            if not name.strip() or not isinstance(obj, dict):
+                return None
+            calls.append(ParsedCall(name.strip(), json.dumps(obj, ensure_ascii=False)))
+        return calls or None
+
+
+class PythonicStreamer(Llama3JsonStreamer):
+    """The Llama3JsonStreamer's decision (the output's first characters), on `[` or the tag."""
+
+    TAG = "<|python_start|>"
+    END = "<|python_end|>"
+    START = "["
+
+    @classmethod
+    def _parse(cls, text: str) -> list[ParsedCall] | None:
+        import ast
+
+        text = text.strip().removesuffix(cls.END).strip()
+        try:
+            tree = ast.parse(text, mode="eval").body
+        except SyntaxError:
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+                return None
+            try:
+                arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            except ValueError:
+                return None
+            if None in arguments:  # **kwargs
+                return None
+            calls.append(ParsedCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+        return calls
+
+
 def _partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -170,8 +317,11 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 TOOL_PARSERS: dict[str, type[ToolStreamer]] = {
+    "deepseek_v3": DeepSeekV3Streamer,
     "hermes": HermesStreamer,
     "llama3_json": Llama3JsonStreamer,
+    "mistral": MistralStreamer,
+    "pythonic": PythonicStreamer,
 }
 
 
