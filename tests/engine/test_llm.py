@@ -277,3 +277,27 @@ def test_chat_uses_template(llm):
     )
     assert out.prompt == expected_prompt
     assert "Paris" in out.outputs[0].text
+
+
+def test_chat_renders_tools_and_names_a_bad_one(llm):
+    """`tools` reach the chat template (one that renders them, set for this test), as the
+    server's do; a tool that is not a function tool is refused naming it."""
+    tokenizer = llm.input_processor.tokenizer
+    template = tokenizer.chat_template
+    tokenizer.chat_template = (
+        "{% for t in tools or [] %}TOOL {{ t.function.name }}\n{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    try:
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+        messages = [{"role": "user", "content": "Weather in Paris?"}]
+        (out,) = llm.chat(messages, _greedy(max_tokens=4), use_tqdm=False, tools=tools)
+        assert out.prompt == "TOOL get_weather\nuser: Weather in Paris?\nassistant:"
+        (out,) = llm.chat(messages, _greedy(max_tokens=4), use_tqdm=False,
+                          add_generation_prompt=False)  # fmt: skip
+        assert out.prompt == "user: Weather in Paris?\n"
+        with pytest.raises(ValueError, match=r"messages\[0\]: tools\[1\] must be"):
+            llm.chat(messages, tools=[*tools, {"type": "retrieval"}], use_tqdm=False)
+    finally:
+        tokenizer.chat_template = template

@@ -117,10 +117,15 @@ class AsyncEngine:
         messages: ChatMessages,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Like generate(), for a conversation rendered with the model's chat template."""
+        """Like generate(), for a conversation rendered with the model's chat template (with
+        `tools`, OpenAI function tools, for templates that render them)."""
         self._raise_if_dead()
-        prompt_text, token_ids = self.input_processor.chat_token_ids(messages)
+        prompt_text, token_ids = self.input_processor.chat_token_ids(
+            messages, add_generation_prompt, tools
+        )
         outputs = self._generate(prompt_text, token_ids, sampling_params, request_id)
         async with contextlib.aclosing(outputs):  # closing us must close it (and abort) now
             async for output in outputs:

@@ -41,20 +41,48 @@ class InputProcessor:
             return None, list(prompt)
         raise ValueError("prompt must be a non-empty str or a list of token ids (int)")
 
-    def render_chat(self, messages: ChatMessages, add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: ChatMessages,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The conversation through the model's chat template, with `tools` (OpenAI's
+        `{"type": "function", "function": {"name", "description", "parameters"}}` entries) for
+        templates that render them. ValueError naming what does not fit."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message:
                 raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
+        if tools is not None:
+            if not isinstance(tools, list):
+                raise ValueError(f"tools must be a list of function tools, got {type(tools)}")
+            for i, tool in enumerate(tools):
+                function = tool.get("function") if isinstance(tool, dict) else None
+                if (
+                    not isinstance(tool, dict)
+                    or tool.get("type", "function") != "function"
+                    or not isinstance(function, dict)
+                    or not isinstance(function.get("name"), str)
+                ):
+                    raise ValueError(
+                        f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                        f'"parameters": {{...}}}}}}, got {tool!r}'
+                    )
         if self.tokenizer.chat_template is None:
             raise ValueError("this model has no chat template; use generate() with a prompt")
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
-    def chat_token_ids(self, messages: ChatMessages) -> tuple[str, list[int]]:
-        text = self.render_chat(messages)
+    def chat_token_ids(
+        self,
+        messages: ChatMessages,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[str, list[int]]:
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     def process(

@@ -91,13 +91,20 @@ class LLM:
         messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {'role', 'content'}) or a list of them."""
+        """One conversation (a list of {'role', 'content'}) or a list of them, through the
+        model's chat template; `tools` (OpenAI function tools) reach templates that render
+        them. The output is the model's text: read calls from it with
+        `v1_engine.entrypoints.tool_parsers.parse_tool_calls(parser, text)`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenized = []
         for i, conversation in enumerate(conversations):
             try:
-                tokenized.append(self.input_processor.chat_token_ids(conversation))
+                tokenized.append(
+                    self.input_processor.chat_token_ids(conversation, add_generation_prompt, tools)
+                )
             except ValueError as e:
                 raise ValueError(f"messages[{i}]: {e}") from None
         return self._run(tokenized, sampling_params, use_tqdm)
