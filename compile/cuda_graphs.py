@@ -126,6 +126,10 @@ class _FullGraphs:
         """Metadata over the persistent buffers, as a captured graph of `size` sees it."""
         raise NotImplementedError
 
+    def _capture_inputs(self, size: int) -> None:
+        """Valid inputs for the warm-up and capture of the graph of `size` in the buffers (the
+        kernels run for real then): none to write where the initial buffers serve every size."""
+
     @torch.inference_mode()
     def capture(self, attn_backend: object, attention_layers: list) -> None:
         """Capture one graph per size, largest first, sharing one memory pool."""
@@ -137,6 +141,7 @@ class _FullGraphs:
         sizes = sorted(self.sizes, reverse=True)
         gc.collect()
         for size in tqdm(sizes, desc=f"Capturing {self.kind} CUDA graphs", unit="graph"):
+            self._capture_inputs(size)
             metadata = self._metadata(size)
             tokens = metadata.num_actual_tokens
             input_ids, positions = self.input_ids[:tokens], self.positions[:tokens]
@@ -269,6 +274,17 @@ class VarlenCudaGraphs(_FullGraphs):
             and metadata.num_reqs <= self.max_size
             and bool(self._graphs)
         )
+
+    def _capture_inputs(self, size: int) -> None:
+        """Every request of the graph of `size` with query_len tokens of its own, the padding
+        request with none: the buffers' query starts end at size x query_len, not at the
+        largest graph's token count (a launch would read and write past its tensors)."""
+        q, rows = self.query_len, size + 1
+        starts = torch.arange(rows + 1, dtype=torch.int32).mul_(q).clamp_(max=size * q)
+        with torch.inference_mode():
+            self.query_start_loc[: rows + 1].copy_(starts)
+            self.seq_lens[:rows].fill_(q)
+            self.slot_mapping.fill_(-1)
 
     def _metadata(self, size: int) -> AttentionMetadata:
         q, rows = self.query_len, size + 1

@@ -265,6 +265,36 @@ def test_a_step_packed_into_a_verify_graph_attends_as_alone(query_lens, size, nu
     assert bool(out[tokens:].isfinite().all())
 
 
+def test_verify_graph_capture_inputs_stay_inside_each_graph():
+    """What a verify graph's warm-up and capture run on (compile/cuda_graphs.py, captured
+    largest first): for every size, the query starts end at that graph's token count and every
+    request holds its tokens' positions, so the captured attention launch reads and writes only
+    its own rows (the largest graph's starts would run past a smaller graph's tensors)."""
+    from compile.cuda_graphs import VarlenCudaGraphs
+
+    device = "cuda" if _CUDA else "cpu"
+    q, block_size = 3, 8
+    graphs = VarlenCudaGraphs(lambda *a: None, [1, 2, 4], max_blocks_per_req=4, max_seq_len=32,
+                              device=torch.device(device), query_len=q,
+                              block_size=block_size)  # fmt: skip
+    kv_cache = torch.randn(2, 6, block_size, 2, 16).to(device)
+    for size in (4, 2, 1):
+        graphs._capture_inputs(size)
+        metadata = graphs._metadata(size)
+        tokens = metadata.num_actual_tokens
+        starts = metadata.query_start_loc
+        assert tokens == size * q and metadata.num_reqs == size + 1
+        assert starts[0] == 0 and starts[-1] == tokens and bool((starts.diff() >= 0).all())
+        assert bool((metadata.seq_lens >= starts.diff()).all())
+        query = torch.randn(tokens, 4, 16).to(device)
+        output = torch.full_like(query, float("nan"))
+        ta.paged_attention(
+            query, kv_cache, metadata.block_table, metadata.seq_lens, starts, q,
+            metadata.max_seq_len, 0.25, output,
+        )  # fmt: skip
+        assert bool(output.isfinite().all())
+
+
 @interpreter_only
 def test_interpreter_rejects_mismatched_arguments():
     case = make_paged_case([2], [3], 4, 2, 16, 4, torch.float32, "cpu", seed=5)
