@@ -10,6 +10,10 @@ slot mapping, sequence lengths, block table); a step copies its inputs into them
 graph of the smallest captured size that holds its batch. Padding rows decode a dummy token: their
 K/V write is skipped (slot -1) and they attend over one cached position, so they stay finite and
 are never read back.
+
+Speculative decoding's verify steps (each request its last token and up to k drafts) get the same
+treatment from `VarlenCudaGraphs`: one graph per request count, with room for 1 + k tokens a
+request, serving any mix of query lengths up to that.
 """
 
 from __future__ import annotations
@@ -95,8 +99,9 @@ class _FullGraphs:
             self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
             self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
             self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
-            # Before a step's inputs arrive (warm-up and capture), every request holds
-            # query_len tokens of its own query_len positions.
+            # Before a step's inputs arrive (warm-up and capture), every request of the largest
+            # graph holds query_len tokens of its own query_len positions (`_capture_inputs`
+            # sets each smaller size's).
             self.seq_lens = torch.full((rows,), query_len, dtype=torch.int32, device=device)
             self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
             self.query_start_loc.mul_(query_len).clamp_(max=tokens)
