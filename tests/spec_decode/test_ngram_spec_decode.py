@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 import pytest
+from draft_counter import DraftCounter
 
 from v1_engine import LLM, AsyncEngine, SamplingParams, StructuredOutputsParams
 from v1_engine.config import EngineConfig
@@ -139,24 +140,6 @@ def test_cli_flag_reaches_the_engine_config():
 
 
 # --- the default model, in process -----------------------------------------------------------
-
-
-class DraftCounter:
-    """Totals of the scheduler's spec_* stats (per-step counts) from now on."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.drafts = self.draft_tokens = self.accepted = 0
-        scheduler = llm.engine_core.scheduler
-        original = scheduler.make_stats
-
-        def counting():
-            stats = original()
-            self.drafts += stats.spec_num_drafts
-            self.draft_tokens += stats.spec_num_draft_tokens
-            self.accepted += stats.spec_num_accepted_tokens
-            return stats
-
-        scheduler.make_stats = counting
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import itertools
 
 import pytest
 import torch
+from draft_counter import DraftCounter
 
 from v1_engine import LLM, SamplingParams
 
@@ -40,20 +41,10 @@ def _check(model_dir, **kwargs) -> LLM:
     kwargs.update(dtype="float32", max_model_len=256, num_kv_blocks=128, max_num_seqs=16)
     expected = _run(LLM(str(model_dir), **kwargs))
     llm = LLM(str(model_dir), speculative_config=SPEC, **kwargs)
-    scheduler = llm.engine_core.scheduler
-    totals = [0, 0]
-    original = scheduler.make_stats
-
-    def counting():
-        stats = original()
-        totals[0] += stats.spec_num_draft_tokens
-        totals[1] += stats.spec_num_accepted_tokens
-        return stats
-
-    scheduler.make_stats = counting
+    counter = DraftCounter(llm)
     assert _run(llm) == expected
-    assert totals[1] > 15 and totals[0] >= totals[1]
-    assert scheduler.kv_cache_manager.num_free_blocks == 128
+    assert counter.accepted > 15 and counter.draft_tokens >= counter.accepted
+    assert llm.engine_core.scheduler.kv_cache_manager.num_free_blocks == 128
     return llm
 
 
@@ -131,19 +122,11 @@ def test_backoff_drafts_less_where_drafts_fail_and_changes_no_token(tiny_llama_d
         spec = {**SPEC, "prompt_lookup_min": 1, "draft_backoff": backoff}
         llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=128, num_kv_blocks=128,
                   speculative_config=spec)  # fmt: skip
-        scheduler = llm.engine_core.scheduler
-        totals = [0, 0]
-        original = scheduler.make_stats
-
-        def counting(original=original, totals=totals):
-            stats = original()
-            totals[0] += stats.spec_num_draft_tokens
-            totals[1] += stats.spec_num_accepted_tokens
-            return stats
-
-        scheduler.make_stats = counting
+        counter = DraftCounter(llm)
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        results.append(([o.outputs[0].token_ids for o in outputs], *totals))
+        results.append(
+            ([o.outputs[0].token_ids for o in outputs], counter.draft_tokens, counter.accepted)
+        )
     (plain_tokens, plain_drafts, plain_kept), (tokens, drafts, _) = results
     assert tokens == plain_tokens
     assert plain_drafts > 200 and plain_kept < plain_drafts / 4  # drafts mostly fail here
