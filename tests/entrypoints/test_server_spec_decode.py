@@ -1,5 +1,6 @@
 """v1serve with `--speculative-config`: the official openai client gets the same greedy text as
-without drafts, whole and streamed, and /metrics counts the drafts kept."""
+without drafts, whole and streamed; /metrics counts the drafts kept, and so does the log's
+periodic statistics line."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ MESSAGES = [{"role": "user", "content": f"Add type hints to this code and return
 @pytest.fixture(scope="module")
 def spec_server():
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
-    with running_server("--speculative-config", spec) as server:
+    with running_server("--speculative-config", spec, "--log-stats-interval", "0.2") as server:
         yield server
 
 
@@ -45,6 +46,10 @@ def test_drafted_chat_equals_the_offline_output_without_drafts(spec_server):
     kept = metric(samples, "v1engine:spec_decode_num_accepted_tokens_total")
     assert drafted >= kept > 10
     assert metric(samples, "v1engine:spec_decode_num_drafts_total") > 0
+    # The periodic statistics line in the server's log, with its drafts.
+    lines = [x for x in spec_server.log_path.read_text().splitlines() if "Engine: prompt" in x]
+    assert lines and any("generation throughput" in x and "draft tokens accepted" in x
+                         for x in lines), lines[-3:]  # fmt: skip
 
 
 def test_a_bad_speculative_config_stops_the_server_with_the_field_named():

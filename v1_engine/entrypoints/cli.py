@@ -76,8 +76,21 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=sorted(TOOL_PARSERS),
         help='reads the tool calls of tool_choice "auto" (OpenAI\'s default with tools) in the '
-        "model's format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1-3.3); without "
+        "model's format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1-3.3), pythonic "
+        "(Llama 3.2 / 4), mistral, deepseek_v3; without "
         'it "auto" is a 400 ("required", "none" and named functions need no parser)',
+    )
+    group.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic INFO line of engine statistics (throughput, queue, KV cache, prefix "
+        "cache, speculative decoding)",
+    )
+    group.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between two lines of engine statistics (default: 10)",
     )
     group.add_argument(
         "--enable-auto-tool-choice",
@@ -272,6 +285,10 @@ def run_server(args: argparse.Namespace) -> int:
     def make_engine(stat_loggers: list[Any]) -> Any:
         from v1_engine.engine.async_engine import AsyncEngine
 
+        if not args.disable_log_stats:
+            from v1_engine.metrics.loggers import LoggingStatLogger
+
+            stat_loggers = [*stat_loggers, LoggingStatLogger(args.log_stats_interval)]
         return AsyncEngine(stat_loggers=stat_loggers, **kwargs)
 
     return uvloop.run(
@@ -299,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
         argv = argv[1:]
     parser = make_parser()
     args = parser.parse_args(argv)
+    if args.log_stats_interval <= 0:
+        parser.error(f"--log-stats-interval must be > 0, got {args.log_stats_interval}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error(
             f"--enable-auto-tool-choice needs --tool-call-parser (one of {sorted(TOOL_PARSERS)})"
