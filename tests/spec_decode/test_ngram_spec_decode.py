@@ -40,6 +40,59 @@ def propose(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     return propose_ngram(np.array(tokens, dtype=np.int64), min_n, max_n, k).tolist()
 
 
+def reference_propose(tokens: np.ndarray, min_n: int, max_n: int, num_drafts: int) -> np.ndarray:
+    """propose_ngram's rule with vectorized numpy (the first implementation): each occurrence of
+    the last token extended backwards to its match length."""
+    length = len(tokens)
+    if num_drafts < 1 or length < min_n + 1:
+        return tokens[:0]
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+    if not len(ends):
+        return tokens[:0]
+    max_n = min(max_n, length - 1)
+    match_len = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for j in range(1, max_n):
+        starts = ends - j
+        ok = alive & (starts >= 0)
+        ok[ok] = tokens[starts[ok]] == tokens[length - 1 - j]
+        match_len += ok
+        alive = ok
+        if not alive.any():
+            break
+    best = int(match_len.max())
+    if best < min_n:
+        return tokens[:0]
+    candidates = ends[match_len == best]
+    full = candidates[candidates + num_drafts < length]
+    end = int(full[-1] if len(full) else candidates[-1])
+    return tokens[end + 1 : end + 1 + num_drafts]
+
+
+def test_the_bytes_search_proposes_what_the_numpy_rule_does():
+    """Random token runs over small vocabularies (many matches, runs, suffixes near the start),
+    and tokens whose bytes repeat across token boundaries (256 + 1 = 0x0101: a byte pattern may
+    match misaligned)."""
+    rng = np.random.default_rng(3)
+    cases = 0
+    for trial in range(3000):
+        vocab = [2, 3, 5, 50, 257][trial % 5]
+        length = int(rng.integers(1, 60))
+        tokens = rng.integers(0, vocab, length).astype(np.int64)
+        if vocab == 257:
+            tokens = np.where(tokens % 2 == 0, 257, 1).astype(np.int64)
+        if trial % 7 == 0:
+            tokens = tokens.astype(np.int32)
+        min_n = int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 6))
+        k = int(rng.integers(0, 7))
+        got = propose_ngram(tokens, min_n, max_n, k)
+        want = reference_propose(tokens, min_n, max_n, k)
+        assert got.tolist() == want.tolist(), (tokens.tolist(), min_n, max_n, k)
+        cases += bool(len(want))
+    assert cases > 1000  # most cases propose something
+
+
 def test_the_longest_suffix_match_proposes_what_followed_it():
     tokens = [5, 1, 2, 3, 9, 9, 7, 2, 3, 4, 8, 1, 2, 3]
     # [1, 2, 3] ends the tokens and occurred at 1..3: what followed it is the draft.

@@ -2,8 +2,7 @@
 prompt or output, the tokens that followed them then are proposed as the next ones.
 
 No draft model: the proposal is a search over the request's token ids on the host, at
-O(tokens) per request (one vectorized comparison with the last token, then only its matches
-are extended backwards).
+O(tokens) per request (a byte-string search for the newest n tokens, longest n first).
 """
 
 from __future__ import annotations
@@ -17,33 +16,45 @@ def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, num_drafts: int) -
     The longest suffix of `tokens` of length n in [min_n, max_n] that also occurs earlier is
     looked up; among its earlier occurrences the latest one with `num_drafts` tokens after it
     wins (recent context predicts best), else the latest one. The tokens after it are the draft.
+
+    The search runs on the tokens' bytes (`bytes.rfind`, C speed, latest first): a handful of
+    calls a request. The runner proposes for every request of every step, on the step's path;
+    vectorized numpy paid ~27 us a request in fixed per-call costs, this 3-6 us at 512-2k
+    tokens (benchmarks/RESULTS.md, "N-gram proposals on the tokens' bytes").
     """
     length = len(tokens)
     if num_drafts < 1 or length < min_n + 1:
         return tokens[:0]
-    # Occurrences of the last token that have at least one token after them.
-    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
-    if not len(ends):
+    # Token ids fit int32 (any vocabulary): half the bytes of int64 to scan.
+    data = tokens.astype(np.int32, copy=False).tobytes()
+    width = 4
+    # No earlier occurrence of the shortest suffix: none of a longer one (one scan, the common
+    # case in text that does not repeat).
+    if _rfind_aligned(data, data[(length - min_n) * width :], (length - 1) * width, width) is None:
         return tokens[:0]
-    # Extend each match backwards: match_len[i] = length of the common suffix ending at ends[i].
     max_n = min(max_n, length - 1)
-    match_len = np.ones(len(ends), dtype=np.int64)
-    alive = np.ones(len(ends), dtype=bool)
-    for j in range(1, max_n):
-        starts = ends - j
-        ok = alive & (starts >= 0)
-        ok[ok] = tokens[starts[ok]] == tokens[length - 1 - j]
-        match_len += ok
-        alive = ok
-        if not alive.any():
-            break
-    best = int(match_len.max())
-    if best < min_n:
-        return tokens[:0]
-    candidates = ends[match_len == best]
-    full = candidates[candidates + num_drafts < length]
-    end = int(full[-1] if len(full) else candidates[-1])
-    return tokens[end + 1 : end + 1 + num_drafts]
+    for n in range(max_n, min_n - 1, -1):
+        suffix = data[(length - n) * width :]
+        # Occurrences ending at least num_drafts tokens before the end, then any earlier one.
+        end = _rfind_aligned(data, suffix, (length - num_drafts) * width, width)
+        if end is None:
+            end = _rfind_aligned(data, suffix, (length - 1) * width, width)
+        if end is not None:
+            return tokens[end + 1 : end + 1 + num_drafts]
+    return tokens[:0]
+
+
+def _rfind_aligned(data: bytes, sub: bytes, limit: int, width: int) -> int | None:
+    """The index of the last token of the latest occurrence of `sub` (whole tokens) lying in
+    data[:limit], or None."""
+    while limit >= len(sub):
+        start = data.rfind(sub, 0, limit)
+        if start < 0:
+            return None
+        if start % width == 0:
+            return (start + len(sub)) // width - 1
+        limit = start + len(sub) - 1  # a match across token boundaries: look before it
+    return None
 
 
 class NgramProposer:
