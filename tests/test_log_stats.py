@@ -53,3 +53,13 @@ def test_quiet_when_idle(caplog):
     assert not caplog.records
     with pytest.raises(ValueError, match="interval_s must be > 0"):
         LoggingStatLogger(0)
+
+
+def test_cli_flags():
+    from v1_engine.entrypoints.cli import main, make_parser, with_log_stats
+
+    (logger,) = with_log_stats(make_parser().parse_args(["--log-stats-interval", "2.5"]), [])
+    assert isinstance(logger, LoggingStatLogger) and logger.interval_s == 2.5
+    assert with_log_stats(make_parser().parse_args(["--disable-log-stats"]), ["x"]) == ["x"]
+    with pytest.raises(SystemExit):
+        main(["--log-stats-interval", "0"])

@@ -273,6 +273,16 @@ def served_model_name(args: argparse.Namespace) -> str:
     return default_served_name(args.model)
 
 
+def with_log_stats(args: argparse.Namespace, stat_loggers: list[Any]) -> list[Any]:
+    """The server's stat loggers: `stat_loggers` plus the periodic log line unless
+    --disable-log-stats."""
+    if args.disable_log_stats:
+        return list(stat_loggers)
+    from v1_engine.metrics.loggers import LoggingStatLogger
+
+    return [*stat_loggers, LoggingStatLogger(args.log_stats_interval)]
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Start the engine and the server; return the exit code (1 if the engine core died)."""
     import uvloop
@@ -285,11 +295,7 @@ def run_server(args: argparse.Namespace) -> int:
     def make_engine(stat_loggers: list[Any]) -> Any:
         from v1_engine.engine.async_engine import AsyncEngine
 
-        if not args.disable_log_stats:
-            from v1_engine.metrics.loggers import LoggingStatLogger
-
-            stat_loggers = [*stat_loggers, LoggingStatLogger(args.log_stats_interval)]
-        return AsyncEngine(stat_loggers=stat_loggers, **kwargs)
+        return AsyncEngine(stat_loggers=with_log_stats(args, stat_loggers), **kwargs)
 
     return uvloop.run(
         serve(
