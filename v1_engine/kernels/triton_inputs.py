@@ -24,6 +24,19 @@ TABLE_BLOCK = 128
 
 
 @triton.jit
+def _copy_table_row(
+    table_ptr, table_stride, out_table_ptr, out_table_stride, r, width, BLOCK: tl.constexpr
+):
+    """Block-table row r's first `width` entries into the graph's row r."""
+    src_row = table_ptr + r.to(tl.int64) * table_stride
+    dst_row = out_table_ptr + r.to(tl.int64) * out_table_stride
+    for start in range(0, width, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        valid = offs < width
+        tl.store(dst_row + offs, tl.load(src_row + offs, mask=valid), mask=valid)
+
+
+@triton.jit
 def _decode_inputs_kernel(
     ids_ptr,
     pos_ptr,
@@ -57,12 +70,7 @@ def _decode_inputs_kernel(
         tl.store(out_pos_ptr + r, tl.load(pos_ptr + r).to(out_pos_ptr.dtype.element_ty))
         tl.store(out_slot_ptr + r, tl.load(slot_ptr + r).to(out_slot_ptr.dtype.element_ty))
         tl.store(out_seq_ptr + r, tl.load(seq_ptr + r).to(out_seq_ptr.dtype.element_ty))
-        src_row = table_ptr + r.to(tl.int64) * table_stride
-        dst_row = out_table_ptr + r.to(tl.int64) * out_table_stride
-        for start in range(0, width, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            valid = offs < width
-            tl.store(dst_row + offs, tl.load(src_row + offs, mask=valid), mask=valid)
+        _copy_table_row(table_ptr, table_stride, out_table_ptr, out_table_stride, r, width, BLOCK)
     else:  # a padding row of the captured size: no cache write, one position to attend over
         tl.store(out_slot_ptr + r, tl.full([], -1, out_slot_ptr.dtype.element_ty))
         tl.store(out_seq_ptr + r, tl.full([], 1, out_seq_ptr.dtype.element_ty))
@@ -181,12 +189,7 @@ def _varlen_inputs_kernel(
         end = tl.load(qsl_ptr + r + 1)
         tl.store(out_qsl_ptr + r, start.to(out_qsl_ptr.dtype.element_ty))
         tl.store(out_seq_ptr + r, tl.load(seq_ptr + r).to(out_seq_ptr.dtype.element_ty))
-        src_row = table_ptr + r.to(tl.int64) * table_stride
-        dst_row = out_table_ptr + r.to(tl.int64) * out_table_stride
-        for col in range(0, width, BLOCK):
-            offs = col + tl.arange(0, BLOCK)
-            valid = offs < width
-            tl.store(dst_row + offs, tl.load(src_row + offs, mask=valid), mask=valid)
+        _copy_table_row(table_ptr, table_stride, out_table_ptr, out_table_stride, r, width, BLOCK)
         for tok in range(start, end, TOKEN_BLOCK):
             offs = tok + tl.arange(0, TOKEN_BLOCK)
             valid = offs < end

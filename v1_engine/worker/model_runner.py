@@ -360,28 +360,21 @@ class ModelRunner:
         layers = self.model.attention_layers()
         pool = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
+        # What a full graph's buffers and attention launch are sized for; one pool for all.
+        full = {
+            "max_blocks_per_req": -(-self.max_model_len // self.block_size),
+            "max_seq_len": self.max_model_len,
+            "device": self.device,
+            "pool": pool,
+        }
         if self._decode_graph_sizes:
-            decode = DecodeCudaGraphs(
-                self._forward,
-                self._decode_graph_sizes,
-                max_blocks_per_req=-(-self.max_model_len // self.block_size),
-                max_seq_len=self.max_model_len,
-                device=self.device,
-                pool=pool,
-            )
+            decode = DecodeCudaGraphs(self._forward, self._decode_graph_sizes, **full)
             decode.capture(self.attn_backend, layers)
             self._decode_graphs = decode
         if self._verify_graph_sizes:
-            verify = VarlenCudaGraphs(
-                self._forward,
-                self._verify_graph_sizes,
-                max_blocks_per_req=-(-self.max_model_len // self.block_size),
-                max_seq_len=self.max_model_len,
-                device=self.device,
-                pool=pool,
-                query_len=self._verify_query_len,
-                block_size=self.block_size,
-            )
+            verify = VarlenCudaGraphs(self._forward, self._verify_graph_sizes, **full,
+                                      query_len=self._verify_query_len,
+                                      block_size=self.block_size)  # fmt: skip
             verify.capture(self.attn_backend, layers)
             self._verify_graphs = verify
         if self._piecewise_graph_sizes:
