@@ -285,9 +285,10 @@ def _required_delta(plan: ToolPlan, state: ChatChoiceState) -> tuple[DeltaMessag
 def _auto_delta(
     plan: ToolPlan, state: ChatChoiceState, completion: CompletionOutput
 ) -> tuple[DeltaMessage | None, str | None]:
-    """tool_choice "auto", streaming: the content the parser lets through and the calls it has
-    completed (whole, one delta each); None when it holds everything back. The finish reason
-    is "tool_calls" when the choice called any tool."""
+    """tool_choice "auto", streaming: the content the parser lets through and the call deltas it
+    has read (a call's first delta carries its id and name, later ones pieces of its
+    arguments); None when it holds everything back. The finish reason is "tool_calls" when the
+    choice called any tool."""
     if state.streamer is None:
         assert plan.parser is not None
         state.streamer = TOOL_PARSERS[plan.parser]()
@@ -296,15 +297,13 @@ def _auto_delta(
     if finish_reason is not None:
         parsed.extend(state.streamer.finish())
     calls = []
-    for call in parsed.calls:
-        calls.append(
-            DeltaToolCall(
-                index=state.num_calls,
-                id=new_call_id(),
-                type="function",
-                function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
-            )
-        )
+    for piece in parsed.deltas:
+        if piece.name is None:
+            function = DeltaFunctionCall(arguments=piece.arguments)
+            calls.append(DeltaToolCall(index=state.num_calls - 1, function=function))
+            continue
+        function = DeltaFunctionCall(name=piece.name, arguments=piece.arguments)
+        calls.append(DeltaToolCall(index=state.num_calls, id=new_call_id(), type="function", function=function))  # fmt: skip
         state.num_calls += 1
     if finish_reason == "stop" and state.num_calls:
         finish_reason = "tool_calls"

@@ -16,8 +16,17 @@ own format, and the parser reads the calls out of its text, whole or as it strea
   `<｜tool▁call▁end｜>`; text before it is content.
 
 One streaming implementation serves both uses: a whole text is fed at once. A streamer holds back
-only what might still turn into a call (the start of a tag, an unfinished block); a block that
-does not hold a call (invalid JSON, cut by max_tokens) goes out as content, as written.
+only what might still turn into a call (the start of a tag, a block whose call has not begun);
+a block that does not hold a call (invalid JSON, cut by max_tokens before its arguments began)
+goes out as content, as written.
+
+Calls stream piecewise, as OpenAI's do: a call's first delta carries its name once the name and
+the opening `{` of its arguments object are written, later deltas the arguments' text as it
+grows (JSON parsers; the pythonic one sends each call whole at the end). The arguments are the
+model's own JSON text, whole or streamed, so the pieces add up to the whole output's arguments.
+From its first delta on, a call is a call: cut by max_tokens, its arguments are what was
+written (the finish reason says "length"), and a block that turns out malformed after its
+arguments began still ends that call rather than becoming content.
 """
 
 from __future__ import annotations
@@ -34,16 +43,36 @@ class ParsedCall:
     """The arguments object as JSON text."""
 
 
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of the calls: `name` set begins a new call; `arguments` continues the current
+    call's arguments text."""
+
+    name: str | None
+    arguments: str
+
+
 @dataclass
 class Parsed:
-    """What a piece of output holds: content text to send, and calls completed in it."""
+    """What a piece of output holds: content text to send, and the call deltas in it."""
 
     content: str = ""
-    calls: list[ParsedCall] = field(default_factory=list)
+    deltas: list[CallDelta] = field(default_factory=list)
 
     def extend(self, other: Parsed) -> None:
         self.content += other.content
-        self.calls.extend(other.calls)
+        self.deltas.extend(other.deltas)
+
+    @property
+    def calls(self) -> list[ParsedCall]:
+        """The deltas folded into whole calls (for a whole output)."""
+        calls: list[ParsedCall] = []
+        for delta in self.deltas:
+            if delta.name is not None:
+                calls.append(ParsedCall(delta.name, delta.arguments))
+            elif calls:
+                calls[-1] = ParsedCall(calls[-1].name, calls[-1].arguments + delta.arguments)
+        return calls
 
 
 def _call(obj: Any, arguments_keys: tuple[str, ...]) -> ParsedCall | None:
@@ -57,6 +86,166 @@ def _call(obj: Any, arguments_keys: tuple[str, ...]) -> ParsedCall | None:
                 return ParsedCall(obj["name"], arguments)
             return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
     return ParsedCall(obj["name"], "{}") if len(obj) == 1 else None
+
+
+def _whole(call: ParsedCall) -> CallDelta:
+    return CallDelta(call.name, call.arguments)
+
+
+_WHITESPACE = " \t\r\n"
+
+
+def _skip(text: str, i: int, chars: str = _WHITESPACE) -> int:
+    while i < len(text) and text[i] in chars:
+        i += 1
+    return i
+
+
+class _ValueEnd:
+    """Where the JSON value that starts at `start` ends, found as the text grows (the text is
+    assumed well-formed; a malformed value shows at the end, when the whole text is checked)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.end: int | None = None
+        self._pos = start
+        self._depth = 0
+        self._in_string = False
+        self._escape = False
+
+    def advance(self, text: str) -> int | None:
+        """The index after the value, or None while it is unfinished."""
+        if self.end is not None:
+            return self.end
+        i, n = self._pos, len(text)
+        if i == self.start and i < n and text[i] not in '{["':  # a number, true, false, null
+            while i < n and text[i] not in ",:}] \t\r\n":
+                i += 1
+            if i < n:
+                self.end = i
+            return self.end
+        while i < n:
+            c = text[i]
+            i += 1
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    self._in_string = False
+                    if self._depth == 0:
+                        self.end = i
+                        return i
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self.end = i
+                    return i
+        self._pos = i
+        return None
+
+
+class _CallObject:
+    """One `{"name": ..., <arguments key>: {...}}` object read as it is written: the name once
+    its string is complete, and where its arguments object starts and (later) ends."""
+
+    def __init__(self, start: int, arguments_keys: tuple[str, ...]) -> None:
+        self.start = start
+        self.arguments_keys = arguments_keys
+        self.name: str | None = None
+        self.arguments: _ValueEnd | None = None
+        """The arguments value, when it is an object (another kind is not streamed)."""
+        self.end: int | None = None
+        self.failed = False
+        """Not a call object as written so far."""
+        self._pos = start
+        self._state = "open"
+        self._key: Any = None
+        self._value: _ValueEnd | None = None
+
+    def advance(self, text: str) -> None:
+        while self.end is None and not self.failed:
+            if self._value is not None:
+                end = self._value.advance(text)
+                if end is None:
+                    return
+                if self._key == "name":
+                    self.name = json.loads(text[self._value.start : end])
+                self._value, self._pos, self._state = None, end, "after"
+                continue
+            i = _skip(text, self._pos)
+            if i == len(text):
+                return
+            c, state = text[i], self._state
+            if state == "open":
+                self.failed = c != "{"
+                self._pos, self._state = i + 1, "first key"
+            elif state in ("first key", "key"):
+                if c == "}" and state == "first key":
+                    self.end = i + 1
+                    return
+                if c != '"':
+                    self.failed = True
+                    return
+                key = _ValueEnd(i)
+                end = key.advance(text)
+                if end is None:
+                    return
+                self._key = json.loads(text[i:end])
+                self._pos, self._state = end, "colon"
+            elif state == "colon":
+                self.failed = c != ":"
+                self._pos, self._state = i + 1, "value"
+            elif state == "value":
+                self._value = _ValueEnd(i)
+                if self._key == "name":
+                    self.failed = c != '"'
+                elif self._key in self.arguments_keys and c == "{" and self.arguments is None:
+                    self.arguments = self._value
+            else:  # after a value
+                if c == "}":
+                    self.end = i + 1
+                else:
+                    self.failed = c != ","
+                    self._pos, self._state = i + 1, "key"
+
+    def arguments_text(self, text: str) -> str | None:
+        """The arguments written so far, once the call may begin (name and arguments started)."""
+        if self.name is None or self.arguments is None:
+            return None
+        return text[self.arguments.start : self.arguments.end or len(text)]
+
+
+class _Announcer:
+    """The deltas of the call being written: its name with the arguments so far, then the
+    arguments' new text each time."""
+
+    def __init__(self) -> None:
+        self.sent: int | None = None
+        """Arguments characters sent; None before the call's first delta."""
+        self.count = 0
+        """Calls begun so far."""
+
+    def emit(self, out: Parsed, name: str, arguments: str) -> None:
+        if self.sent is None:
+            out.deltas.append(CallDelta(name, arguments))
+            self.count += 1
+        elif len(arguments) > self.sent:
+            out.deltas.append(CallDelta(None, arguments[self.sent :]))
+        self.sent = len(arguments)
+
+    @property
+    def begun(self) -> bool:
+        """Whether the current call has sent its first delta."""
+        return self.sent is not None
+
+    def next_call(self) -> None:
+        self.sent = None
 
 
 class ToolStreamer:
@@ -74,35 +263,89 @@ class ToolStreamer:
         raise NotImplementedError
 
 
+class _ObjectCalls:
+    """Call objects one after another in a text (between them only `separators`), each sent
+    piecewise as it is written. `broken`: something other than a call object came next."""
+
+    def __init__(self, arguments_keys: tuple[str, ...], separators: str, start: int = 0) -> None:
+        self.arguments_keys = arguments_keys
+        self.separators = separators
+        self.pos = start
+        """Where the next call object starts (after the last one's end)."""
+        self.broken = False
+        self.announcer = _Announcer()
+        self._current: _CallObject | None = None
+
+    def advance(self, text: str, out: Parsed) -> None:
+        while not self.broken:
+            if self._current is None:
+                i = _skip(text, self.pos, self.separators)
+                if i == len(text):
+                    return
+                if text[i] != "{":
+                    self.broken = True
+                    return
+                self._current = _CallObject(i, self.arguments_keys)
+            call = self._current
+            call.advance(text)
+            arguments = call.arguments_text(text)
+            if arguments is not None:
+                assert call.name is not None
+                self.announcer.emit(out, call.name, arguments)
+            if call.failed:
+                self.broken = True
+                return
+            if call.end is None:
+                return
+            if not self.announcer.begun:  # a whole object without an arguments object
+                try:
+                    whole = _call(json.loads(text[call.start : call.end]), self.arguments_keys)
+                except ValueError:
+                    whole = None
+                if whole is None:
+                    self.broken = True
+                    return
+                out.deltas.append(_whole(whole))
+                self.announcer.count += 1
+            self.announcer.next_call()
+            self.pos, self._current = call.end, None
+
+
 class HermesStreamer(ToolStreamer):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    KEYS = ("arguments", "parameters")
 
     def __init__(self) -> None:
         self._buffer = ""
         self._inside = False
+        self._block: _ObjectCalls | None = None
 
     def feed(self, text: str) -> Parsed:
         self._buffer += text
         out = Parsed()
         while True:
             if self._inside:
+                assert self._block is not None
                 end = self._buffer.find(self.CLOSE)
+                block = self._buffer if end < 0 else self._buffer[:end]
+                self._block.advance(block, out)
                 if end < 0:
                     return out
-                block = self._buffer[:end]
                 self._buffer = self._buffer[end + len(self.CLOSE) :]
                 self._inside = False
-                call = self._parse_block(block)
-                if call is None:
-                    out.content += self.OPEN + block + self.CLOSE
-                else:
-                    out.calls.append(call)
+                if not self._block.announcer.count:
+                    call = self._parse_block(block)
+                    if call is None:
+                        out.content += self.OPEN + block + self.CLOSE
+                    else:
+                        out.deltas.append(_whole(call))
                 continue
             start = self._buffer.find(self.OPEN)
             if start >= 0:
                 out.content += self._buffer[:start]
                 self._buffer = self._buffer[start + len(self.OPEN) :]
                 self._inside = True
+                self._block = _ObjectCalls(self.KEYS, _WHITESPACE)
                 continue
             keep = _partial_suffix(self._buffer, self.OPEN)
             out.content += self._buffer[: len(self._buffer) - keep]
@@ -113,27 +356,33 @@ class HermesStreamer(ToolStreamer):
         text, self._buffer = self._buffer, ""
         if self._inside:
             self._inside = False
+            assert self._block is not None
+            if self._block.announcer.count:  # a call cut short: it stays a call
+                return Parsed()
             return Parsed(content=self.OPEN + text)
         return Parsed(content=text)
 
-    @staticmethod
-    def _parse_block(block: str) -> ParsedCall | None:
+    @classmethod
+    def _parse_block(cls, block: str) -> ParsedCall | None:
         try:
             obj = json.loads(block)
         except ValueError:
             return None
-        return _call(obj, ("arguments", "parameters"))
+        return _call(obj, cls.KEYS)
 
 
 class Llama3JsonStreamer(ToolStreamer):
     TAG = "<|python_tag|>"
     START = "{"
+    streams_calls = True
+    """Calls go out as they are written (JSON objects); else held to the end and parsed whole."""
 
     def __init__(self) -> None:
         self._buffer = ""
         self._mode: str | None = None
-        """None until the output's first characters decide: "json" (held to the end) or
-        "text" (streamed as content)."""
+        """None until the output's first characters decide: "json" (calls) or "text" (streamed
+        as content)."""
+        self._calls: _ObjectCalls | None = None
 
     def feed(self, text: str) -> Parsed:
         if self._mode == "text":
@@ -147,14 +396,29 @@ class Llama3JsonStreamer(ToolStreamer):
             if self._mode == "text":
                 text, self._buffer = self._buffer, ""
                 return Parsed(content=text)
-        return Parsed()
+            start = len(self._buffer) - len(head)
+            if head.startswith(self.TAG):
+                start += len(self.TAG)
+            self._calls = _ObjectCalls(("parameters", "arguments"), _WHITESPACE + ";", start)
+        out = Parsed()
+        if self.streams_calls:
+            assert self._calls is not None
+            self._calls.advance(self._buffer, out)
+        return out
 
     def finish(self) -> Parsed:
         text, self._buffer = self._buffer, ""
         if self._mode != "json":
             return Parsed(content=text)
+        assert self._calls is not None
+        if self._calls.announcer.count:  # the calls sent stand; text after them is content
+            calls = self._calls
+            cut = (
+                not calls.broken or calls.announcer.begun
+            )  # nothing after the calls, or a cut call
+            return Parsed(content="" if cut else text[calls.pos :].strip())
         calls = self._parse(text.strip().removeprefix(self.TAG))
-        return Parsed(calls=calls) if calls else Parsed(content=text)
+        return Parsed(deltas=[_whole(c) for c in calls]) if calls else Parsed(content=text)
 
     @staticmethod
     def _parse(text: str) -> list[ParsedCall] | None:
@@ -175,25 +439,42 @@ class Llama3JsonStreamer(ToolStreamer):
             calls.append(call)
 
 
+def _literal(text: str, i: int, literal: str) -> int | None:
+    """The index after `literal` at text[i]; -1 when the text there differs from it; None
+    while the text ends inside it."""
+    if text.startswith(literal, i):
+        return i + len(literal)
+    return None if literal.startswith(text[i:]) else -1
+
+
 class _MarkerStreamer(ToolStreamer):
-    """Content streams until MARKER; from there the rest of the output is held and read as calls
-    at the end (`_parse` of the text after the marker; None: it was not calls, all content)."""
+    """Content streams until MARKER; the text after it is calls, sent as `_stream` reads them;
+    at the end, when none was read, `_parse` reads the held text whole (None: it was not calls,
+    all content)."""
 
     MARKER = ""
 
     def __init__(self) -> None:
         self._buffer = ""
         self._held = False
+        self._announcer = _Announcer()
+        self._pos = 0
+        """Where `_stream` stands in the held text (which starts with the marker)."""
+        self._broken = False
+        self._arguments: _ValueEnd | None = None
+        self._name = ""
 
     def feed(self, text: str) -> Parsed:
         self._buffer += text
         if self._held:
-            return Parsed()
+            return self._read()
         start = self._buffer.find(self.MARKER)
         if start >= 0:
             content, self._buffer = self._buffer[:start], self._buffer[start:]
-            self._held = True
-            return Parsed(content=content)
+            self._held, self._pos = True, len(self.MARKER)
+            out = self._read()
+            out.content = content
+            return out
         keep = _partial_suffix(self._buffer, self.MARKER)
         cut = len(self._buffer) - keep
         content, self._buffer = self._buffer[:cut], self._buffer[cut:]
@@ -204,8 +485,42 @@ class _MarkerStreamer(ToolStreamer):
         if not self._held:
             return Parsed(content=text)
         self._held = False
+        if self._announcer.count:  # the calls sent stand (a cut one too)
+            return Parsed()
         calls = self._parse(text[len(self.MARKER) :])
-        return Parsed(calls=calls) if calls else Parsed(content=text)
+        return Parsed(deltas=[_whole(c) for c in calls]) if calls else Parsed(content=text)
+
+    def _read(self) -> Parsed:
+        out = Parsed()
+        while not self._broken:
+            if self._arguments is None:
+                start = self._call_start(self._buffer)
+                if start is None:
+                    break
+                if start < 0:
+                    self._broken = True
+                    break
+                self._arguments = _ValueEnd(start)
+            end = self._arguments.advance(self._buffer)
+            self._announcer.emit(out, self._name, self._buffer[self._arguments.start : end or len(self._buffer)])  # fmt: skip
+            if end is None:
+                break
+            after = self._call_end(self._buffer, end)
+            if after is None:
+                break
+            self._pos = after
+            self._announcer.next_call()
+            self._arguments = None
+        return out
+
+    def _call_start(self, text: str) -> int | None:
+        """From self._pos: the index of the next call's arguments object (setting self._name and
+        self._pos past what was read), -1 when what follows is not a call, None while unknown."""
+        raise NotImplementedError
+
+    def _call_end(self, text: str, end: int) -> int | None:
+        """Where the next call may start, after a call whose arguments end at `end`."""
+        return end
 
     @staticmethod
     def _parse(text: str) -> list[ParsedCall] | None:
@@ -215,7 +530,42 @@ class _MarkerStreamer(ToolStreamer):
 class MistralStreamer(_MarkerStreamer):
     MARKER = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
+    KEYS = ("arguments", "parameters")
     keeps_special_tokens = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._array: _ObjectCalls | None = None
+        """The JSON array form (tokenizers before v11), once the text after the marker shows it."""
+
+    def _read(self) -> Parsed:
+        if self._array is None and not self._announcer.count:
+            i = _skip(self._buffer, self._pos)
+            if i < len(self._buffer) and self._buffer[i] == "[":
+                self._array = _ObjectCalls(self.KEYS, _WHITESPACE + ",", i + 1)
+                self._array.announcer = self._announcer
+        if self._array is None:
+            return super()._read()
+        out = Parsed()
+        self._array.advance(self._buffer, out)
+        return out
+
+    def _call_start(self, text: str) -> int | None:
+        i = _skip(text, self._pos)
+        if i == len(text):
+            return None
+        after_marker = _literal(text, i, self.MARKER)  # between calls of v11
+        if after_marker is None:
+            return None
+        i = max(i, after_marker)
+        args = text.find(self.ARGS, i)
+        if args < 0:
+            return None
+        value = _skip(text, args + len(self.ARGS))
+        if value == len(text):
+            return None
+        self._name = text[i:args].strip()
+        return value if self._name and text[value] == "{" else -1
 
     @classmethod
     def _parse(cls, text: str) -> list[ParsedCall] | None:
@@ -226,62 +576,57 @@ class MistralStreamer(_MarkerStreamer):
             except ValueError:
                 return None
             objs = objs if isinstance(objs, list) else [objs]
-            calls = [_call(obj, ("arguments", "parameters")) for obj in objs]
+            calls = [_call(obj, cls.KEYS) for obj in objs]
             return None if not calls or None in calls else calls  # type: ignore[return-value]
-        decoder = json.JSONDecoder()
-        calls, position = [], 0
-        while position < len(text):  # name[ARGS]{...}, repeated (maybe after another marker)
-            if text.startswith(cls.MARKER, position):
-                position += len(cls.MARKER)
-            args = text.find(cls.ARGS, position)
-            if args < 0:
-                return None
-            name = text[position:args].strip()
-            try:
-                arguments, position = decoder.raw_decode(text, args + len(cls.ARGS))
-            except ValueError:
-                return None
-            if not name or not isinstance(arguments, dict):
-                return None
-            calls.append(ParsedCall(name, json.dumps(arguments, ensure_ascii=False)))
-            while position < len(text) and text[position].isspace():
-                position += 1
-        return calls or None
+        return None  # name[ARGS]{...} calls are read as they stream
 
 
 class DeepSeekV3Streamer(_MarkerStreamer):
     MARKER = "<｜tool▁calls▁begin｜>"
     CALL_BEGIN, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
     END = "<｜tool▁calls▁end｜>"
+    FENCE = "```json"
     keeps_special_tokens = True
 
-    @classmethod
-    def _parse(cls, text: str) -> list[ParsedCall] | None:
-        text = text.strip().removesuffix(cls.END).strip()
-        calls = []
-        for block in text.split(cls.CALL_BEGIN)[1:]:
-            block = block.split(cls.CALL_END)[0]
-            kind, sep, rest = block.partition(cls.SEP)
-            if not sep or kind.strip() != "function":
-                return None
-            name, _, arguments = rest.partition("\n")
-            arguments = arguments.strip().removeprefix("```json").removesuffix("```").strip()
-            try:
-                obj = json.loads(arguments)
-            except ValueError:
-                return None
-            if not name.strip() or not isinstance(obj, dict):
-                return None
-            calls.append(ParsedCall(name.strip(), json.dumps(obj, ensure_ascii=False)))
-        return calls or None
+    def _call_start(self, text: str) -> int | None:
+        i = _skip(text, self._pos)
+        if i == len(text):
+            return None
+        begin = _literal(text, i, self.CALL_BEGIN)
+        if begin is None or begin < 0:
+            return begin  # the calls' end marker, or not a call
+        sep = text.find(self.SEP, begin)
+        newline = text.find("\n", sep + len(self.SEP)) if sep >= 0 else -1
+        if newline < 0:
+            return None
+        if text[begin:sep].strip() != "function":
+            return -1
+        fence = _literal(text, _skip(text, newline), self.FENCE)
+        if fence is None or fence < 0:
+            return fence
+        value = _skip(text, fence)
+        if value == len(text):
+            return None
+        self._name = text[sep + len(self.SEP) : newline].strip()
+        return value if self._name and text[value] == "{" else -1
+
+    def _call_end(self, text: str, end: int) -> int | None:
+        close = text.find(self.CALL_END, end)
+        return None if close < 0 else close + len(self.CALL_END)
+
+    @staticmethod
+    def _parse(text: str) -> list[ParsedCall] | None:
+        return None  # the calls are read as they stream
 
 
 class PythonicStreamer(Llama3JsonStreamer):
-    """The Llama3JsonStreamer's decision (the output's first characters), on `[` or the tag."""
+    """The Llama3JsonStreamer's decision (the output's first characters), on `[` or the tag;
+    the calls are read whole at the end (Python syntax)."""
 
     TAG = "<|python_start|>"
     END = "<|python_end|>"
     START = "["
+    streams_calls = False
 
     @classmethod
     def _parse(cls, text: str) -> list[ParsedCall] | None:
