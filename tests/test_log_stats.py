@@ -63,3 +63,41 @@ def test_cli_flags():
     assert with_log_stats(make_parser().parse_args(["--disable-log-stats"]), ["x"]) == ["x"]
     with pytest.raises(SystemExit):
         main(["--log-stats-interval", "0"])
+
+
+def test_the_last_busy_interval_is_logged_when_the_work_stops(caplog):
+    """The server's once-a-second tick (no outputs, no stats) ends the interval in which the
+    last request finished; after it, a stale queue snapshot does not keep the log going."""
+    caplog.set_level(logging.INFO, logger="v1_engine.stats")
+    stats = LoggingStatLogger(interval_s=10.0)
+    stats.record(SchedulerStats(num_running_reqs=1), [output("a", 20, 1)], now=0.0)
+    stats.record(SchedulerStats(num_running_reqs=1), [output("a", 20, 4, finished=True)], now=3.0)
+    for now in range(4, 10):
+        stats.record(None, [], now=float(now))
+    assert not caplog.records
+    stats.record(None, [], now=10.0)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("Engine: prompt throughput 2.0 tok/s, generation throughput 0.5 tok/s")
+    assert "running 1 reqs" in line
+    caplog.clear()
+    for now in range(11, 40):
+        stats.record(None, [], now=float(now))
+    assert not caplog.records  # idle: the last snapshot's "running 1" is not repeated
+
+
+def test_the_engine_ticks_its_stat_loggers():
+    from v1_engine.engine.async_engine import AsyncEngine
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def record(self, scheduler_stats, outputs, now):
+            self.calls.append((scheduler_stats, outputs))
+
+    engine = AsyncEngine.__new__(AsyncEngine)  # the tick alone: no core process needed
+    import threading
+
+    engine._lock, engine.stat_loggers = threading.Lock(), [Recorder()]
+    engine.do_log_stats()
+    assert engine.stat_loggers[0].calls == [(None, [])]

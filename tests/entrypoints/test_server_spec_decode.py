@@ -50,6 +50,16 @@ def test_drafted_chat_equals_the_offline_output_without_drafts(spec_server):
     lines = [x for x in spec_server.log_path.read_text().splitlines() if "Engine: prompt" in x]
     assert lines and any("generation throughput" in x and "draft tokens accepted" in x
                          for x in lines), lines[-3:]  # fmt: skip
+    # Idle, the server's once-a-second tick writes the last busy interval and then nothing.
+    import time
+
+    def count() -> int:
+        return spec_server.log_path.read_text().count("Engine: prompt")
+
+    time.sleep(1.5)
+    settled = count()
+    time.sleep(2.5)
+    assert count() == settled
 
 
 def test_a_bad_speculative_config_stops_the_server_with_the_field_named():

@@ -243,6 +243,12 @@ class AsyncEngine:
             self._record_stats(outputs.scheduler_stats, processed.request_outputs)
         self._abort_in_core(processed.reqs_to_abort)
 
+    def do_log_stats(self) -> None:
+        """Let the stat loggers see the time pass without outputs (the server calls this every
+        second, so a periodic logger writes the last busy interval when the work stops)."""
+        with self._lock:
+            self._record_stats(None, [])
+
     def _record_stats(self, scheduler_stats: Any, request_outputs: list[RequestOutput]) -> None:
         """Runs under the lock, so loggers are never called concurrently."""
         now = time.time()

@@ -281,6 +281,7 @@ async def serve(
         tasks = [
             asyncio.create_task(watch_engine(state, on_dead)),
             asyncio.create_task(_log_when_started(server, host, model_name, api_key)),
+            asyncio.create_task(_tick_stat_loggers(engine)),
         ]
         try:
             await server.serve()
@@ -291,6 +292,14 @@ async def serve(
         return 1 if state.engine_dead.is_set() else 0
     finally:
         engine.shutdown()
+
+
+async def _tick_stat_loggers(engine: Any, period_s: float = 1.0) -> None:
+    """Every second, the engine's stat loggers see the time pass (AsyncEngine.do_log_stats)."""
+    tick = getattr(engine, "do_log_stats", None)
+    while tick is not None:
+        await asyncio.sleep(period_s)
+        tick()
 
 
 async def _log_when_started(server: Any, host: str, model: str, api_key: str | None) -> None:

@@ -2,7 +2,9 @@
 KV cache, prefix cache, preemptions, speculative decoding), as vLLM's operators read in its log.
 
 Quiet when idle: a line is written only for an interval in which tokens were processed or
-requests were running or waiting.
+the core reported requests running or waiting. The server calls `record(None, [], now)` every
+second as well (AsyncEngine.do_log_stats), so the last busy interval is logged when the work
+stops, not at the next request.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class LoggingStatLogger(StatLoggerBase):
         self._prompt_tokens = self._generation_tokens = 0
         self._queries = self._hits = self._preempted = 0
         self._drafts = self._draft_tokens = self._accepted = 0
+        self._fresh = False
+        """Whether the core reported its queue in this interval (else the latest is stale)."""
 
     def record(
         self, scheduler_stats: SchedulerStats | None, outputs: list[RequestOutput], now: float
@@ -55,6 +59,7 @@ class LoggingStatLogger(StatLoggerBase):
                 self._start = now
             if scheduler_stats is not None:
                 s = self._latest = scheduler_stats
+                self._fresh = True
                 self._queries += s.prefix_cache_queries
                 self._hits += s.prefix_cache_hits
                 self._preempted += s.num_preempted_reqs
@@ -80,11 +85,12 @@ class LoggingStatLogger(StatLoggerBase):
 
     def _line(self, elapsed: float) -> str | None:
         """The interval's line, or None when nothing ran in it."""
-        running = self._latest.num_running_reqs if self._latest is not None else 0
-        waiting = self._latest.num_waiting_reqs if self._latest is not None else 0
+        latest = self._latest if self._fresh else None
+        running = latest.num_running_reqs if latest is not None else 0
+        waiting = latest.num_waiting_reqs if latest is not None else 0
         if not (self._prompt_tokens or self._generation_tokens or running or waiting):
             return None
-        usage = self._latest.kv_cache_usage if self._latest is not None else 0.0
+        usage = latest.kv_cache_usage if latest is not None else 0.0
         parts = [
             f"prompt throughput {self._prompt_tokens / elapsed:.1f} tok/s",
             f"generation throughput {self._generation_tokens / elapsed:.1f} tok/s",
