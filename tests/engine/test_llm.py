@@ -301,3 +301,41 @@ def test_chat_renders_tools_and_names_a_bad_one(llm):
             llm.chat(messages, tools=[*tools, {"type": "retrieval"}], use_tqdm=False)
     finally:
         tokenizer.chat_template = template
+
+
+def test_chat_template_kwargs_and_continue_final_message(llm):
+    """chat_template_kwargs are the template's variables (Qwen3's enable_thinking here, in a
+    template set for this test); continue_final_message leaves the last, assistant message open
+    and the model continues it; what cannot hold is refused naming the field."""
+    tokenizer = llm.input_processor.tokenizer
+    template = tokenizer.chat_template
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:"
+        "{% if enable_thinking is defined and not enable_thinking %} <think></think>{% endif %}"
+        "{% endif %}"
+    )
+    try:
+        messages = [{"role": "user", "content": "Hi"}]
+        (out,) = llm.chat(messages, _greedy(max_tokens=2), use_tqdm=False,
+                          chat_template_kwargs={"enable_thinking": False})  # fmt: skip
+        assert out.prompt == "user: Hi\nassistant: <think></think>"
+        (out,) = llm.chat(messages, _greedy(max_tokens=2), use_tqdm=False)
+        assert out.prompt == "user: Hi\nassistant:"
+        with pytest.raises(ValueError, match=r"chat_template_kwargs may not set \['tools'\]"):
+            llm.chat(messages, use_tqdm=False, chat_template_kwargs={"tools": []})
+    finally:
+        tokenizer.chat_template = template
+    opened = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"},
+    ]
+    (out,) = llm.chat(opened, _greedy(max_tokens=8), use_tqdm=False,
+                      add_generation_prompt=False, continue_final_message=True)  # fmt: skip
+    assert out.prompt.endswith("<|im_start|>assistant\nThe capital of France is")
+    assert "Paris" in out.outputs[0].text
+    with pytest.raises(ValueError, match="continue_final_message cannot be combined"):
+        llm.chat(opened, use_tqdm=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="continue_final_message needs an assistant message"):
+        llm.chat(opened[:1], use_tqdm=False, add_generation_prompt=False,
+                 continue_final_message=True)  # fmt: skip

@@ -19,6 +19,53 @@ from v1_engine.sampling_params import SamplingParams
 PromptType = str | Sequence[int]
 ChatMessages = list[dict[str, Any]]
 
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "conversation", "tools", "documents", "tokenize", "add_generation_prompt",
+     "continue_final_message", "chat_template", "return_dict", "return_assistant_tokens_mask"}
+)  # fmt: skip
+"""Names chat_template_kwargs may not set: the request's own fields and the renderer's."""
+
+
+class ChatFieldError(ValueError):
+    """A chat option that cannot hold; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field} {message}")
+        self.field = field
+
+
+def check_chat_options(
+    messages: ChatMessages,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    chat_template_kwargs: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The extra keyword arguments for the chat template; ChatFieldError naming what does not
+    fit. `continue_final_message` renders the last (assistant) message open, for the model to
+    continue it, so it excludes a new turn's `add_generation_prompt`."""
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ChatFieldError(
+                "continue_final_message",
+                "cannot be combined with add_generation_prompt (which opens a new assistant "
+                "turn): set add_generation_prompt to false",
+            )
+        if not messages or messages[-1].get("role") != "assistant":
+            role = messages[-1].get("role") if messages else None
+            raise ChatFieldError(
+                "continue_final_message",
+                f"needs an assistant message last to continue, got role {role!r}",
+            )
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise ChatFieldError(
+            "chat_template_kwargs",
+            f"may not set {reserved}: they are request fields or the renderer's own "
+            f"({sorted(RESERVED_TEMPLATE_KWARGS)})",
+        )
+    return kwargs
+
 
 class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int) -> None:
@@ -46,10 +93,13 @@ class InputProcessor:
         messages: ChatMessages,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The conversation through the model's chat template, with `tools` (OpenAI's
         `{"type": "function", "function": {"name", "description", "parameters"}}` entries) for
-        templates that render them. ValueError naming what does not fit."""
+        templates that render them and `chat_template_kwargs` (e.g. `{"enable_thinking":
+        False}`) as template variables. ValueError naming what does not fit."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         for i, message in enumerate(messages):
@@ -70,10 +120,18 @@ class InputProcessor:
                         f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
                         f'"parameters": {{...}}}}}}, got {tool!r}'
                     )
+        kwargs = check_chat_options(
+            messages, add_generation_prompt, continue_final_message, chat_template_kwargs
+        )
         if self.tokenizer.chat_template is None:
             raise ValueError("this model has no chat template; use generate() with a prompt")
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **kwargs,
         )
 
     def chat_token_ids(
@@ -81,8 +139,12 @@ class InputProcessor:
         messages: ChatMessages,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
-        text = self.render_chat(messages, add_generation_prompt, tools)
+        text = self.render_chat(
+            messages, add_generation_prompt, tools, continue_final_message, chat_template_kwargs
+        )
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     def process(

@@ -93,17 +93,28 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {'role', 'content'}) or a list of them, through the
         model's chat template; `tools` (OpenAI function tools) reach templates that render
-        them. The output is the model's text: read calls from it with
-        `v1_engine.entrypoints.tool_parsers.parse_tool_calls(parser, text)`."""
+        them, `chat_template_kwargs` are template variables (`{"enable_thinking": False}`), and
+        `continue_final_message` (with add_generation_prompt=False) lets the model continue the
+        last, assistant message. The output is the model's text: read calls from it with
+        `v1_engine.entrypoints.tool_parsers.parse_tool_calls(parser, text)`, reasoning with
+        `v1_engine.entrypoints.reasoning_parsers.parse_reasoning(parser, text)`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenized = []
         for i, conversation in enumerate(conversations):
             try:
                 tokenized.append(
-                    self.input_processor.chat_token_ids(conversation, add_generation_prompt, tools)
+                    self.input_processor.chat_token_ids(
+                        conversation,
+                        add_generation_prompt,
+                        tools,
+                        continue_final_message,
+                        chat_template_kwargs,
+                    )
                 )
             except ValueError as e:
                 raise ValueError(f"messages[{i}]: {e}") from None

@@ -67,16 +67,18 @@ def build_app(
     stat_logger: PrometheusStatLogger | None = None,
     api_key: str | None = None,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `engine`; the model name and context length come from its config;
-    `tool_call_parser` (tool_parsers.TOOL_PARSERS) enables tool_choice "auto"."""
+    `tool_call_parser` (tool_parsers.TOOL_PARSERS) enables tool_choice "auto";
+    `reasoning_parser` (reasoning_parsers.REASONING_PARSERS) splits off the reasoning."""
     mc = engine.config.model_config
     name, max_len = mc.served_model_name or str(mc.model), int(mc.max_model_len)
     state = ServerState(
         engine=engine,
         stat_logger=stat_logger,
         completion=OpenAIServingCompletion(engine, name, max_len),
-        chat=OpenAIServingChat(engine, name, max_len, tool_call_parser),
+        chat=OpenAIServingChat(engine, name, max_len, tool_call_parser, reasoning_parser),
         tokens=OpenAIServing(engine, name, max_len),
         api_key=api_key or None,
     )
@@ -186,7 +188,12 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
         served.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             messages = [m.flat() for m in body.messages]
-            tokens = served.render_chat(messages, body.add_generation_prompt)
+            tokens = served.render_chat(
+                messages,
+                body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
         else:
             tokens = served.tokenize_prompt(body.prompt, body.add_special_tokens)
         return TokenizeResponse(
@@ -256,13 +263,14 @@ async def serve(
     api_key: str | None = None,
     log_level: str = "info",
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> int:
     """Build the engine, serve until stopped, and return the process exit code: 0 on a normal
     shutdown (SIGINT/SIGTERM), 1 if the engine core died."""
     stat_logger = PrometheusStatLogger(model_name)
     engine = engine_factory([stat_logger])
     try:
-        app = build_app(engine, stat_logger, api_key, tool_call_parser)
+        app = build_app(engine, stat_logger, api_key, tool_call_parser, reasoning_parser)
         state: ServerState = app.state.server
         state.engine_dead = asyncio.Event()
         config = uvicorn.Config(

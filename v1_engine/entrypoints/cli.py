@@ -21,6 +21,7 @@ from v1_engine.config import (
     LOAD_FORMAT_CHOICES,
     QUANTIZATION_CHOICES,
 )
+from v1_engine.entrypoints.reasoning_parsers import REASONING_PARSERS
 from v1_engine.entrypoints.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "V1ENGINE_API_KEY"
@@ -79,6 +80,15 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
         "model's format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1-3.3), pythonic "
         "(Llama 3.2 / 4), mistral, deepseek_v3; without "
         'it "auto" is a 400 ("required", "none" and named functions need no parser)',
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="splits a thinking model's reasoning (its <think> block) off into the chat "
+        "message's reasoning_content: deepseek_r1 (DeepSeek-R1, QwQ, Qwen3 thinking-2507: the "
+        "output is reasoning until </think>), qwen3 (Qwen3 hybrid: reasoning only when the output "
+        "opens <think>)",
     )
     group.add_argument(
         "--disable-log-stats",
@@ -306,6 +316,7 @@ def run_server(args: argparse.Namespace) -> int:
             api_key,
             args.log_level,
             args.tool_call_parser,
+            args.reasoning_parser,
         )
     )
 

@@ -313,11 +313,17 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """Render the last (assistant) message open for the model to continue (needs
+    add_generation_prompt false)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template, e.g. `{"enable_thinking": false}` (Qwen3)."""
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """"none" (plain text), "required" (one or more calls of the tools), or a named function
     (one call of it): the calls are enforced by structured outputs. "auto", OpenAI's default
-    when tools are given, needs a per-model tool-call parser and is refused for now."""
+    when tools are given, reads the calls the model writes with the server's tool-call parser
+    (refused without one)."""
     parallel_tool_calls: bool | None = None
     """With tool_choice "required": false allows exactly one call."""
 
@@ -411,6 +417,8 @@ class ChatChoiceLogprobs(ResponseModel):
 class ChatResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    """With a reasoning parser: the thinking model's reasoning (its `<think>` block)."""
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -446,6 +454,7 @@ class ChatCompletionResponse(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -490,6 +499,8 @@ class TokenizeChatRequest(StrictModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(ResponseModel):

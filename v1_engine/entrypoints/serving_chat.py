@@ -1,8 +1,11 @@
 """POST /v1/chat/completions: the conversation rendered by the model's chat template, n choices,
-streamed as `chat.completion.chunk` events or returned whole."""
+streamed as `chat.completion.chunk` events or returned whole. With a reasoning parser, a thinking
+model's reasoning goes to `reasoning_content` and the rest is the content (which the tool-call
+parser reads; reasoning_parsers.py says how a constrained output is read)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +33,11 @@ from v1_engine.entrypoints.protocol_openai import (
     UsageInfo,
     new_call_id,
 )
+from v1_engine.entrypoints.reasoning_parsers import (
+    REASONING_PARSERS,
+    ReasoningStreamer,
+    parse_reasoning,
+)
 from v1_engine.entrypoints.serving_engine import (
     SSE_DONE,
     OpenAIServing,
@@ -52,6 +60,8 @@ class ChatChoiceState:
     """A named tool call's id, once its first delta went out (streaming)."""
     streamer: ToolStreamer | None = None
     """tool_choice "auto", streaming: the parser reading this choice's calls."""
+    reasoner: ReasoningStreamer | None = None
+    """Streaming with a reasoning parser: splits this choice's reasoning from its content."""
     num_calls: int = 0
     """Tool calls streamed so far (the next call's index)."""
 
@@ -83,15 +93,21 @@ class OpenAIServingChat(OpenAIServing):
         served_model_name: str,
         max_model_len: int,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         super().__init__(engine, served_model_name, max_model_len)
         self.tool_call_parser = tool_call_parser
         """Reads the calls of tool_choice "auto" (tool_parsers.TOOL_PARSERS); None refuses it."""
+        self.reasoning_parser = reasoning_parser
+        """Splits the reasoning off (reasoning_parsers.REASONING_PARSERS); None: no split."""
 
     async def create(self, body: ChatCompletionRequest, request: Request, request_id: str):
         self.check_request(body)
         token_ids, params = self._prepare(body)
         plan = plan_tools(body, self.tool_call_parser)  # checked by _prepare's sampling params
+        if self.reasoning_parser is not None:
+            constrained = params.structured_outputs is not None
+            plan = dataclasses.replace(plan, reasoning=self.reasoning_parser, constrained=constrained)  # fmt: skip
         response_id = f"chatcmpl-{request_id}"
         if body.stream:
             return StreamingResponse(
@@ -106,7 +122,13 @@ class OpenAIServingChat(OpenAIServing):
     def _prepare(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         messages = [m.flat() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        token_ids = self.render_chat(messages, body.add_generation_prompt, tools)
+        token_ids = self.render_chat(
+            messages,
+            body.add_generation_prompt,
+            tools,
+            body.continue_final_message,
+            body.chat_template_kwargs,
+        )
         field_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         max_tokens = self.resolve_max_tokens(
             len(token_ids), body.requested_max_tokens(), field_name
@@ -197,6 +219,7 @@ class OpenAIServingChat(OpenAIServing):
                 for completion in output.outputs:
                     state = states[completion.index]
                     new_logprobs = self._fold(body, state, completion)
+                    reasoning, text = _split_reasoning(plan, state, completion)
                     if plan.mode == "required":
                         # The calls are read from the whole array: sent when it is complete.
                         if completion.finish_reason is None:
@@ -204,19 +227,22 @@ class OpenAIServingChat(OpenAIServing):
                         delta, finish_reason = _required_delta(plan, state)
                         new_logprobs = state.logprobs
                     elif plan.mode == "auto":
-                        delta, finish_reason = _auto_delta(plan, state, completion)
-                        if delta is None and not new_logprobs:
+                        delta, finish_reason = _auto_delta(plan, state, text, completion.finish_reason)  # fmt: skip
+                        if delta is None and not new_logprobs and not reasoning:
                             continue
                         delta = delta or DeltaMessage()
                     else:
                         if (
-                            not completion.text
+                            not text
+                            and not reasoning
                             and completion.finish_reason is None
                             and not new_logprobs
                         ):
                             continue
-                        delta = _text_delta(plan, state, completion.text)
+                        delta = _text_delta(plan, state, text) if text or not reasoning else DeltaMessage()  # fmt: skip
                         finish_reason = completion.finish_reason
+                    if reasoning:
+                        delta.reasoning_content = reasoning
                     yield chunk(
                         ChatStreamChoice(
                             index=completion.index,
@@ -242,14 +268,44 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
 
+def _split_reasoning(
+    plan: ToolPlan, state: ChatChoiceState, completion: CompletionOutput
+) -> tuple[str, str]:
+    """Streaming: the (reasoning, answer) pieces of a choice's new text."""
+    if plan.reasoning is None:
+        return "", completion.text
+    if state.reasoner is None:
+        state.reasoner = REASONING_PARSERS[plan.reasoning](plan.constrained)
+    reasoning, text = state.reasoner.feed(completion.text)
+    if completion.finish_reason is not None:
+        more_reasoning, more_text = state.reasoner.finish()
+        reasoning, text = reasoning + more_reasoning, text + more_text
+    return reasoning, text
+
+
 def _message(plan: ToolPlan, state: ChatChoiceState) -> tuple[ChatResponseMessage, str | None]:
-    """A choice's whole message and finish reason: its text, or the tool calls it holds."""
+    """A choice's whole message and finish reason: its text, or the tool calls it holds (and
+    its reasoning, with a reasoning parser)."""
+    if plan.reasoning is None:
+        return _answer(plan, state, state.text)
+    reasoning, text = parse_reasoning(plan.reasoning, state.text, plan.constrained)
+    message, finish_reason = _answer(plan, state, text)
+    message.reasoning_content = reasoning
+    if message.content == "" and reasoning is not None:
+        message.content = None  # cut while reasoning: no answer yet
+    return message, finish_reason
+
+
+def _answer(
+    plan: ToolPlan, state: ChatChoiceState, text: str
+) -> tuple[ChatResponseMessage, str | None]:
+    """The message of the answer `text`: content, or the tool calls it holds."""
     if plan.mode == "named":
         assert plan.name is not None
-        call = ToolCall(function=FunctionCall(name=plan.name, arguments=state.text))
+        call = ToolCall(function=FunctionCall(name=plan.name, arguments=text))
         return ChatResponseMessage(content=None, tool_calls=[call]), state.finish_reason
     if plan.mode == "required":
-        calls = parse_required_calls(state.text)
+        calls = parse_required_calls(text)
         if calls is not None:
             tool_calls = [ToolCall(function=FunctionCall(name=n, arguments=a)) for n, a in calls]
             finish_reason = "tool_calls" if state.finish_reason == "stop" else state.finish_reason
@@ -257,13 +313,13 @@ def _message(plan: ToolPlan, state: ChatChoiceState) -> tuple[ChatResponseMessag
         # Cut before the array closed (max_tokens): the text as it is.
     if plan.mode == "auto":
         assert plan.parser is not None
-        parsed = parse_tool_calls(plan.parser, state.text)
+        parsed = parse_tool_calls(plan.parser, text)
         if parsed.calls:
             tool_calls = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed.calls]  # fmt: skip
             finish_reason = "tool_calls" if state.finish_reason == "stop" else state.finish_reason
             content = parsed.content.strip() or None
             return ChatResponseMessage(content=content, tool_calls=tool_calls), finish_reason
-    return ChatResponseMessage(content=state.text), state.finish_reason
+    return ChatResponseMessage(content=text), state.finish_reason
 
 
 def _required_delta(plan: ToolPlan, state: ChatChoiceState) -> tuple[DeltaMessage, str | None]:
@@ -283,7 +339,7 @@ def _required_delta(plan: ToolPlan, state: ChatChoiceState) -> tuple[DeltaMessag
 
 
 def _auto_delta(
-    plan: ToolPlan, state: ChatChoiceState, completion: CompletionOutput
+    plan: ToolPlan, state: ChatChoiceState, text: str, finish_reason: str | None
 ) -> tuple[DeltaMessage | None, str | None]:
     """tool_choice "auto", streaming: the content the parser lets through and the call deltas it
     has read (a call's first delta carries its id and name, later ones pieces of its
@@ -292,8 +348,7 @@ def _auto_delta(
     if state.streamer is None:
         assert plan.parser is not None
         state.streamer = TOOL_PARSERS[plan.parser]()
-    parsed = state.streamer.feed(completion.text)
-    finish_reason = completion.finish_reason
+    parsed = state.streamer.feed(text)
     if finish_reason is not None:
         parsed.extend(state.streamer.finish())
     calls = []

@@ -19,6 +19,7 @@ from fastapi import Request
 from jinja2 import TemplateError
 
 from v1_engine.engine.exceptions import EngineDeadError
+from v1_engine.engine.input_processor import ChatFieldError, check_chat_options
 from v1_engine.entrypoints.errors import APIError, from_value_error
 from v1_engine.outputs import RequestOutput
 from v1_engine.sampling_params import SamplingParams
@@ -109,9 +110,17 @@ class OpenAIServing:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The conversation through the model's chat template (with the tools, for templates
-        that render them; others ignore them)."""
+        that render them; others ignore them), `chat_template_kwargs` as template variables."""
+        try:
+            kwargs = check_chat_options(
+                messages, add_generation_prompt, continue_final_message, chat_template_kwargs
+            )
+        except ChatFieldError as e:
+            raise APIError(str(e), param=e.field) from None
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError("this model has no chat template; use /v1/completions", param="messages")
         try:
@@ -120,6 +129,8 @@ class OpenAIServing:
                 tools=tools,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **kwargs,
             )
         except (TemplateError, ValueError, TypeError, KeyError) as e:
             raise APIError(

@@ -33,6 +33,10 @@ class ToolPlan:
     """"auto": the tool-call parser reading the calls."""
     structured: StructuredOutputsParams | None = None
     """The constraint that forces the call(s)."""
+    reasoning: str | None = None
+    """The reasoning parser splitting the output before the plan reads it (None: no split)."""
+    constrained: bool = False
+    """Whether structured outputs constrain the output from its first token."""
 
 
 def plan_tools(body: ChatCompletionRequest, parser: str | None = None) -> ToolPlan:

@@ -347,7 +347,7 @@ class HermesStreamer(ToolStreamer):
                 self._inside = True
                 self._block = _ObjectCalls(self.KEYS, _WHITESPACE)
                 continue
-            keep = _partial_suffix(self._buffer, self.OPEN)
+            keep = partial_suffix(self._buffer, self.OPEN)
             out.content += self._buffer[: len(self._buffer) - keep]
             self._buffer = self._buffer[len(self._buffer) - keep :]
             return out
@@ -475,7 +475,7 @@ class _MarkerStreamer(ToolStreamer):
             out = self._read()
             out.content = content
             return out
-        keep = _partial_suffix(self._buffer, self.MARKER)
+        keep = partial_suffix(self._buffer, self.MARKER)
         cut = len(self._buffer) - keep
         content, self._buffer = self._buffer[:cut], self._buffer[cut:]
         return Parsed(content=content)
@@ -653,7 +653,7 @@ class PythonicStreamer(Llama3JsonStreamer):
         return calls
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

@@ -1,0 +1,126 @@
+"""A thinking model's reasoning split off into `reasoning_content` (--reasoning-parser), whole and
+streamed through the official openai client, also before a tool call; chat_template_kwargs and
+continue_final_message on /v1/chat/completions and /tokenize. The default model does not think:
+a regex constraint makes it write the <think> block where a test needs one."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+from server_helpers import API_KEY, running_server
+
+ASK = [{"role": "user", "content": "What is two plus two?"}]
+THINK = r"<think>[a-z ]{4,40}</think>The answer is [0-9]\."
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object"}},
+}
+THINK_THEN_CALL = (
+    r'<think>[a-z ]{4,30}</think><tool_call>\n\{"name": "get_weather", "arguments": '
+    r'\{"city": "[A-Z][a-z]{2,8}"\}\}\n</tool_call>'
+)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server("--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def _create(client, **kwargs):
+    kwargs.setdefault("messages", ASK)
+    kwargs.setdefault("max_tokens", 48)
+    model = client.models.list().data[0].id
+    return client.chat.completions.create(model=model, temperature=0.0, **kwargs)
+
+
+def _streamed(client, **kwargs):
+    chunks = [c for c in _create(client, stream=True, **kwargs) if c.choices]
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)  # fmt: skip
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    return chunks, reasoning, content
+
+
+def test_the_reasoning_is_split_off_whole_and_streamed(client):
+    forced = {"structured_outputs": {"regex": THINK}}
+    message = _create(client, extra_body=forced).choices[0].message
+    assert re.fullmatch(r"[a-z ]{4,40}", message.reasoning_content), message
+    assert re.fullmatch(r"The answer is [0-9]\.", message.content), message
+    chunks, reasoning, content = _streamed(client, extra_body=forced)
+    assert (reasoning, content) == (message.reasoning_content, message.content)
+    # The reasoning went out piecewise, before any of the answer.
+    kinds = [
+        "r" if getattr(c.choices[0].delta, "reasoning_content", None) else "c"
+        for c in chunks
+        if getattr(c.choices[0].delta, "reasoning_content", None) or c.choices[0].delta.content
+    ]
+    assert kinds.count("r") > 1 and "".join(kinds).lstrip("r").strip("c") == ""
+
+
+def test_an_output_without_the_closing_tag_is_all_reasoning(client):
+    """DeepSeek-R1's template opens the block in the prompt: until </think> the output is
+    reasoning (here the whole output, which never closes it)."""
+    message = _create(client, max_tokens=16).choices[0].message
+    assert message.reasoning_content and message.content is None
+    _, reasoning, content = _streamed(client, max_tokens=16)
+    assert (reasoning, content) == (message.reasoning_content, "")
+
+
+def test_a_tool_call_after_the_reasoning(client):
+    forced = {"structured_outputs": {"regex": THINK_THEN_CALL}}
+    choice = _create(client, tools=[WEATHER], extra_body=forced, max_tokens=80).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert re.fullmatch(r"[a-z ]{4,30}", choice.message.reasoning_content)
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}  # fmt: skip
+    chunks, reasoning, _ = _streamed(client, tools=[WEATHER], extra_body=forced, max_tokens=80)
+    calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert reasoning == choice.message.reasoning_content
+    assert calls[0].function.name == "get_weather"
+    assert "".join(t.function.arguments for t in calls) == call.function.arguments
+
+
+def test_a_json_answer_stays_content(client):
+    """Constrained from its first token, the output is reasoning only where it opens <think>."""
+    reply = _create(client, response_format={"type": "json_object"}, max_tokens=24)
+    message = reply.choices[0].message
+    assert message.reasoning_content is None and message.content.lstrip().startswith("{")
+
+
+def test_template_options(client, server):
+    opened = [*ASK, {"role": "assistant", "content": "Two plus two is"}]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    tokens = httpx.post(
+        f"{server.url}/tokenize", headers=headers, timeout=30,
+        json={"messages": opened, "add_generation_prompt": False, "continue_final_message": True},
+    ).json()["tokens"]  # fmt: skip
+    closed = httpx.post(
+        f"{server.url}/tokenize", headers=headers, timeout=30,
+        json={"messages": opened, "add_generation_prompt": False},
+    ).json()["tokens"]  # fmt: skip
+    assert closed[: len(tokens)] == tokens and len(closed) > len(tokens)  # no end of turn
+    reply = _create(client, messages=opened, max_tokens=8, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False},
+    })  # fmt: skip
+    assert reply.usage.prompt_tokens == len(tokens)
+    for extra, field, words in [
+        ({"continue_final_message": True}, "continue_final_message", "add_generation_prompt"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs", "may not set"),
+        ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs", "dict"),
+    ]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as info:
+            _create(client, messages=opened, extra_body=extra)
+        error = info.value.body
+        assert error["param"].startswith(field) and words in error["message"], error
+    # The server still serves.
+    assert _create(client, max_tokens=4).choices[0].message.reasoning_content
