@@ -57,6 +57,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """The output is exactly one of these strings."""
     grammar: str | None = None
     """An EBNF grammar (xgrammar's dialect, GBNF-like) whose `root` rule the output matches."""
+    reasoning_end: list[int] | None = None
+    """The token ids that end a thinking model's reasoning (`</think>`): the output is free
+    until they occur in it, and the constraint holds for what follows (set by the server's
+    reasoning parser, not by clients; not part of the compiled grammar)."""
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):
@@ -202,23 +206,53 @@ class GrammarCompilerService:
 
 
 class RequestGrammar:
-    """One request's grammar state: its matcher has accepted the request's first
-    `num_accepted` output tokens."""
+    """One request's grammar state: its matcher has accepted the first `num_accepted` tokens of
+    the constrained output (the whole output, or with `reasoning_end` what follows those
+    tokens' first occurrence; until then every token is allowed)."""
 
-    def __init__(self, compiled: Future, eos_token_id: int | None) -> None:
+    def __init__(
+        self,
+        compiled: Future,
+        eos_token_id: int | None,
+        reasoning_end: list[int] | None = None,
+    ) -> None:
         self._compiled = compiled
         self._eos_token_id = eos_token_id
         self._matcher: Any = None
         self._failed = False
         self.num_accepted = 0
+        self._reasoning_end = list(reasoning_end or [])
+        self.start: int | None = None if self._reasoning_end else 0
+        """Where the constrained output starts (None while the reasoning goes on)."""
+        self._searched = 0
+        """Outputs searched for the end of the reasoning so far."""
+
+    def _end_of_reasoning(self, tokens: list[int], searched: int) -> int | None:
+        """The index after the first occurrence of the reasoning's end in `tokens`, searching
+        from where an occurrence could end past `searched`; None without one."""
+        end, n = self._reasoning_end, len(self._reasoning_end)
+        for i in range(max(0, searched - n + 1), len(tokens) - n + 1):
+            if tokens[i : i + n] == end:
+                return i + n
+        return None
+
+    def _reasoning(self, output_token_ids: list[int]) -> bool:
+        """Whether the output is still free (the reasoning has not ended in it)."""
+        if self.start is None:
+            self.start = self._end_of_reasoning(output_token_ids, self._searched)
+            self._searched = len(output_token_ids)
+        return self.start is None
 
     def fill_bitmask(self, output_token_ids: list[int], bitmask: torch.Tensor, row: int) -> None:
         """Accept the outputs not yet accepted, then write the allowed next tokens into
-        bitmask[row] (int32 words, BITS tokens each). Waits for the compile the first time.
+        bitmask[row] (int32 words, BITS tokens each; a row left as it is allows every token, as
+        during the reasoning). Waits for the compile the first time.
         A grammar that failed to compile (the front-end parsed it, so this is not expected)
         allows only EOS: the request ends at once, and the engine keeps serving. So does a
         matcher that has accepted its stop token (a step async scheduling planned early)."""
-        if not self._catch_up(output_token_ids):
+        if self._reasoning(output_token_ids):
+            return
+        if not self._catch_up(output_token_ids[self.start :]):
             self._only_eos(bitmask, row)
             return
         self._matcher.fill_next_token_bitmask(bitmask, row)
@@ -229,7 +263,14 @@ class RequestGrammar:
         """A verify step's rows row .. row + len(drafts): the allowed tokens after the outputs,
         then after each draft in turn. The drafts are accepted only for this and rolled back.
         After a draft the grammar refuses, the rows are left as they are: the row before it
-        cannot sample that draft, so the verify never reads them."""
+        cannot sample that draft, so the verify never reads them. While the reasoning goes on
+        the rows allow every token, up to the draft that ends it (valid_prefix cut the drafts
+        after that one), whose next row is the grammar's first."""
+        if self._reasoning(output_token_ids):
+            end = self._end_of_reasoning(output_token_ids + drafts, len(output_token_ids))
+            if end is not None:
+                self._first_mask(bitmask, row + end - len(output_token_ids))
+            return
         self.fill_bitmask(output_token_ids, bitmask, row)
         if not drafts or self._matcher is None or self._matcher.is_terminated():
             return
@@ -247,8 +288,12 @@ class RequestGrammar:
 
     def valid_prefix(self, output_token_ids: list[int], drafts: list[int]) -> list[int]:
         """The drafts the grammar allows after the outputs, up to the first one it refuses
-        (speculative decoding does not verify what could never be kept)."""
-        if not drafts or not self._catch_up(output_token_ids):
+        (speculative decoding does not verify what could never be kept). During the reasoning,
+        the drafts up to the one that ends it."""
+        if self._reasoning(output_token_ids):
+            end = self._end_of_reasoning(output_token_ids + drafts, len(output_token_ids))
+            return drafts if end is None else drafts[: end - len(output_token_ids)]
+        if not drafts or not self._catch_up(output_token_ids[self.start :]):
             return []
         num_accepted = 0
         for draft in drafts:
@@ -259,9 +304,15 @@ class RequestGrammar:
             self._matcher.rollback(num_accepted)
         return drafts[:num_accepted]
 
+    def _first_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row`: the grammar's allowed first tokens (its matcher has accepted nothing)."""
+        if self._catch_up([]) and self.num_accepted == 0:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+
     def _catch_up(self, output_token_ids: list[int]) -> bool:
-        """Make the matcher and accept the outputs it has not seen; False when there is no
-        mask to give (the compile failed, or the matcher has accepted its stop token)."""
+        """Make the matcher and accept the constrained outputs it has not seen; False when
+        there is no mask to give (the compile failed, or the matcher has accepted its stop
+        token)."""
         if self._matcher is None and not self._failed:
             try:
                 self._matcher = _xgrammar().GrammarMatcher(self._compiled.result())

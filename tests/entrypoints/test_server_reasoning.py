@@ -1,7 +1,8 @@
 """A thinking model's reasoning split off into `reasoning_content` (--reasoning-parser), whole and
-streamed through the official openai client, also before a tool call; chat_template_kwargs and
-continue_final_message on /v1/chat/completions and /tokenize. The default model does not think:
-a regex constraint makes it write the <think> block where a test needs one."""
+streamed through the official openai client, also before a tool call; a constraint that holds
+after the reasoning (deepseek_r1); chat_template_kwargs and continue_final_message on
+/v1/chat/completions and /tokenize. The default model does not think: with the qwen3 parser (a
+constraint holds from the first token) a regex makes it write the <think> block."""
 
 from __future__ import annotations
 
@@ -27,13 +28,19 @@ THINK_THEN_CALL = (
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server("--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes") as s:
+    with running_server("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes") as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def r1_client():
+    with running_server("--reasoning-parser", "deepseek_r1") as s:
+        yield openai.OpenAI(base_url=f"{s.url}/v1", api_key=API_KEY, max_retries=0)
 
 
 def _create(client, **kwargs):
@@ -66,12 +73,20 @@ def test_the_reasoning_is_split_off_whole_and_streamed(client):
     assert kinds.count("r") > 1 and "".join(kinds).lstrip("r").strip("c") == ""
 
 
-def test_an_output_without_the_closing_tag_is_all_reasoning(client):
-    """DeepSeek-R1's template opens the block in the prompt: until </think> the output is
-    reasoning (here the whole output, which never closes it)."""
+def test_without_the_opening_tag_all_is_content(client):
+    """qwen3: an output that does not open <think> (thinking off) is all content."""
     message = _create(client, max_tokens=16).choices[0].message
-    assert message.reasoning_content and message.content is None
+    assert message.content and message.reasoning_content is None
     _, reasoning, content = _streamed(client, max_tokens=16)
+    assert (reasoning, content) == ("", message.content)
+
+
+def test_an_output_without_the_closing_tag_is_all_reasoning(r1_client):
+    """deepseek_r1: the template opens the block in the prompt, so until </think> the output
+    is reasoning (here the whole output, which never closes it)."""
+    message = _create(r1_client, max_tokens=16).choices[0].message
+    assert message.reasoning_content and message.content is None
+    _, reasoning, content = _streamed(r1_client, max_tokens=16)
     assert (reasoning, content) == (message.reasoning_content, "")
 
 
@@ -89,9 +104,19 @@ def test_a_tool_call_after_the_reasoning(client):
     assert "".join(t.function.arguments for t in calls) == call.function.arguments
 
 
-def test_a_json_answer_stays_content(client):
-    """Constrained from its first token, the output is reasoning only where it opens <think>."""
-    reply = _create(client, response_format={"type": "json_object"}, max_tokens=24)
+def test_a_constraint_holds_after_the_reasoning(r1_client):
+    """deepseek_r1: the model reasons freely and the constraint holds from </think> on (the
+    default model never writes it here, so its output is the unconstrained one, all
+    reasoning); where the prompt closed the block already, the constraint holds at once and
+    the JSON answer is content."""
+    json_mode = {"type": "json_object"}
+    client = r1_client
+    free = _create(client, max_tokens=24).choices[0].message
+    thinking = _create(client, response_format=json_mode, max_tokens=24).choices[0].message
+    assert thinking.reasoning_content == free.reasoning_content and thinking.content is None
+    closed = [*ASK, {"role": "assistant", "content": "<think>easy</think>"}]
+    reply = _create(client, messages=closed, response_format=json_mode, max_tokens=24, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True})  # fmt: skip
     message = reply.choices[0].message
     assert message.reasoning_content is None and message.content.lstrip().startswith("{")
 
@@ -123,4 +148,4 @@ def test_template_options(client, server):
         error = info.value.body
         assert error["param"].startswith(field) and words in error["message"], error
     # The server still serves.
-    assert _create(client, max_tokens=4).choices[0].message.reasoning_content
+    assert _create(client, max_tokens=4).choices[0].message.content

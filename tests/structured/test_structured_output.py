@@ -153,6 +153,45 @@ def test_matcher_follows_the_outputs_it_is_given(compiler, default_tokenizer) ->
         outputs.append(default_tokenizer.eos_token_id)
 
 
+def test_the_constraint_waits_for_the_end_of_the_reasoning(compiler, default_tokenizer) -> None:
+    """With reasoning_end, every token is allowed until those tokens occur in the output; the
+    grammar holds from the token after them, also when drafts cross the end."""
+    params = StructuredOutputsParams(choice=[" Paris", " Rome"])
+    end = default_tokenizer.encode("</think>", add_special_tokens=False)
+    assert len(end) > 1  # the default model has no single token for it: a sequence to find
+    vocab = compiler.vocab_size
+    grammar = RequestGrammar(compiler.submit(params), default_tokenizer.eos_token_id, end)
+
+    def allowed(bitmask, row):
+        return torch.isfinite(apply_token_bitmask(torch.zeros(1, vocab), bitmask[row : row + 1]))[0]  # fmt: skip
+
+    first = allocate_bitmask(1, vocab)
+    RequestGrammar(compiler.submit(params), default_tokenizer.eos_token_id).fill_bitmask([], first, 0)  # fmt: skip
+    thinking = default_tokenizer.encode("Hmm, maybe Rome", add_special_tokens=False)
+    for n in range(len(thinking) + len(end)):  # the reasoning and then its end, token by token
+        bitmask = allocate_bitmask(1, vocab)
+        grammar.fill_bitmask((thinking + end)[:n], bitmask, 0)
+        assert allowed(bitmask, 0).all() and grammar.start is None, n
+    # Drafts that cross the end: rows free up to the draft that ends it, then the grammar's
+    # first row; the drafts after it are not verified.
+    drafts = [*end, *default_tokenizer.encode(" Paris", add_special_tokens=False)]
+    assert grammar.valid_prefix(thinking, drafts) == end
+    bitmask = allocate_bitmask(1 + len(end), vocab)
+    grammar.fill_bitmasks(thinking, end, bitmask, 0)
+    assert all(allowed(bitmask, r).all() for r in range(len(end)))
+    assert torch.equal(bitmask[len(end)], first[0])
+    # Once the end is in the output, the grammar holds after it.
+    outputs = thinking + end
+    bitmask = allocate_bitmask(1, vocab)
+    grammar.fill_bitmask(outputs, bitmask, 0)
+    assert grammar.start == len(outputs) and torch.equal(bitmask[0], first[0])
+    paris = default_tokenizer.encode(" Paris", add_special_tokens=False)
+    assert grammar.valid_prefix(outputs, [*paris, 5]) == paris  # the grammar's own check again
+    bitmask = allocate_bitmask(1, vocab)
+    grammar.fill_bitmask(outputs + paris, bitmask, 0)
+    assert allowed(bitmask, 0).nonzero().flatten().tolist() == [default_tokenizer.eos_token_id]
+
+
 def test_the_grammar_cache_is_bounded(compiler, monkeypatch) -> None:
     import v1_engine.structured_output as so
 

@@ -6,10 +6,12 @@ parser reads; reasoning_parsers.py says how a constrained output is read)."""
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -106,8 +108,7 @@ class OpenAIServingChat(OpenAIServing):
         token_ids, params = self._prepare(body)
         plan = plan_tools(body, self.tool_call_parser)  # checked by _prepare's sampling params
         if self.reasoning_parser is not None:
-            constrained = params.structured_outputs is not None
-            plan = dataclasses.replace(plan, reasoning=self.reasoning_parser, constrained=constrained)  # fmt: skip
+            plan, params = self._reasoning_plan(plan, token_ids, params)
         response_id = f"chatcmpl-{request_id}"
         if body.stream:
             return StreamingResponse(
@@ -138,6 +139,25 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         self.validate(token_ids, params)
         return token_ids, params
+
+    def _reasoning_plan(
+        self, plan: ToolPlan, token_ids: list[int], params: SamplingParams
+    ) -> tuple[ToolPlan, SamplingParams]:
+        """The plan with the reasoning split, and the params whose constraint (structured
+        outputs, a forced call) waits for the reasoning's end where the model reasons from its
+        first token (deepseek_r1, unless the prompt closed the block already)."""
+        assert self.reasoning_parser is not None
+        reasoner = REASONING_PARSERS[self.reasoning_parser]
+        structured = params.structured_outputs
+        if structured is not None and reasoner.opens_in_prompt:
+            start = self.tokenizer.encode(reasoner.START, add_special_tokens=False)
+            end = self.tokenizer.encode(reasoner.END, add_special_tokens=False)
+            if _last_index(token_ids, end) <= _last_index(token_ids, start):
+                structured = msgspec.structs.replace(structured, reasoning_end=end)
+                params = msgspec.structs.replace(params, structured_outputs=structured)
+        constrained = structured is not None and structured.reasoning_end is None
+        plan = dataclasses.replace(plan, reasoning=self.reasoning_parser, constrained=constrained)
+        return plan, params
 
     def _fold(
         self, body: ChatCompletionRequest, state: ChatChoiceState, completion: CompletionOutput
@@ -266,6 +286,15 @@ class OpenAIServingChat(OpenAIServing):
         except APIError as e:
             yield sse_error(e)
         yield SSE_DONE
+
+
+def _last_index(tokens: list[int], seq: list[int]) -> int:
+    """Where `seq` last occurs in `tokens` (-1: nowhere); a byte search over the ids."""
+    haystack, needle = array("i", tokens).tobytes(), array("i", seq).tobytes()
+    at = haystack.rfind(needle)
+    while at > 0 and at % 4:  # a match across token boundaries: look further back
+        at = haystack.rfind(needle, 0, at + len(needle) - 1)
+    return at // 4 if at >= 0 else -1
 
 
 def _split_reasoning(

@@ -591,7 +591,8 @@ class ModelRunner:
         """A new request's matcher (the scheduler admitted it once its grammar compiled)."""
         if params.structured_outputs is None:
             return None
-        return RequestGrammar(self.submit_grammar(params.structured_outputs), eos_token_id)
+        structured = params.structured_outputs
+        return RequestGrammar(self.submit_grammar(structured), eos_token_id, structured.reasoning_end)  # fmt: skip
 
     def _sampling_metadata(
         self, states: list[CachedRequestState], drafts: list[list[int]] | None = None
