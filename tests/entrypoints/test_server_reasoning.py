@@ -149,3 +149,13 @@ def test_template_options(client, server):
         assert error["param"].startswith(field) and words in error["message"], error
     # The server still serves.
     assert _create(client, max_tokens=4).choices[0].message.content
+
+
+def test_forced_calls_wait_for_the_reasoning_whole_and_streamed(r1_client):
+    """deepseek_r1 with tool_choice "required": the calls' constraint waits for </think>, which
+    the default model does not write within max_tokens: no call, the reasoning kept whole,
+    streamed too (the "required" stream sends its message at the end)."""
+    message = _create(r1_client, tools=[WEATHER], tool_choice="required", max_tokens=16).choices[0].message  # fmt: skip
+    assert message.reasoning_content and not message.tool_calls and message.content is None
+    _, reasoning, content = _streamed(r1_client, tools=[WEATHER], tool_choice="required", max_tokens=16)  # fmt: skip
+    assert (reasoning, content) == (message.reasoning_content, "")

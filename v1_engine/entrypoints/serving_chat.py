@@ -245,7 +245,7 @@ class OpenAIServingChat(OpenAIServing):
                         if completion.finish_reason is None:
                             continue
                         delta, finish_reason = _required_delta(plan, state)
-                        new_logprobs = state.logprobs
+                        new_logprobs, reasoning = state.logprobs, ""  # the delta has it all
                     elif plan.mode == "auto":
                         delta, finish_reason = _auto_delta(plan, state, text, completion.finish_reason)  # fmt: skip
                         if delta is None and not new_logprobs and not reasoning:
@@ -364,7 +364,9 @@ def _required_delta(plan: ToolPlan, state: ChatChoiceState) -> tuple[DeltaMessag
         )
         for j, call in enumerate(message.tool_calls)
     ]
-    return DeltaMessage(content=message.content, tool_calls=calls or None), finish_reason
+    delta = DeltaMessage(content=message.content, reasoning_content=message.reasoning_content)
+    delta.tool_calls = calls or None
+    return delta, finish_reason
 
 
 def _auto_delta(
