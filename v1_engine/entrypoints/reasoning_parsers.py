@@ -22,7 +22,7 @@ content go out as they are written, and a whole output fed at once gives the sam
 
 from __future__ import annotations
 
-from v1_engine.entrypoints.tool_parsers import partial_suffix
+from v1_engine.entrypoints.json_stream import partial_suffix
 
 
 class ReasoningStreamer:

@@ -35,6 +35,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from v1_engine.entrypoints.json_stream import (
+    WHITESPACE,
+    CallObject,
+    ValueEnd,
+    literal,
+    partial_suffix,
+    skip,
+)
+
 
 @dataclass(frozen=True)
 class ParsedCall:
@@ -92,135 +101,6 @@ def _whole(call: ParsedCall) -> CallDelta:
     return CallDelta(call.name, call.arguments)
 
 
-_WHITESPACE = " \t\r\n"
-
-
-def _skip(text: str, i: int, chars: str = _WHITESPACE) -> int:
-    while i < len(text) and text[i] in chars:
-        i += 1
-    return i
-
-
-class _ValueEnd:
-    """Where the JSON value that starts at `start` ends, found as the text grows (the text is
-    assumed well-formed; a malformed value shows at the end, when the whole text is checked)."""
-
-    def __init__(self, start: int) -> None:
-        self.start = start
-        self.end: int | None = None
-        self._pos = start
-        self._depth = 0
-        self._in_string = False
-        self._escape = False
-
-    def advance(self, text: str) -> int | None:
-        """The index after the value, or None while it is unfinished."""
-        if self.end is not None:
-            return self.end
-        i, n = self._pos, len(text)
-        if i == self.start and i < n and text[i] not in '{["':  # a number, true, false, null
-            while i < n and text[i] not in ",:}] \t\r\n":
-                i += 1
-            if i < n:
-                self.end = i
-            return self.end
-        while i < n:
-            c = text[i]
-            i += 1
-            if self._in_string:
-                if self._escape:
-                    self._escape = False
-                elif c == "\\":
-                    self._escape = True
-                elif c == '"':
-                    self._in_string = False
-                    if self._depth == 0:
-                        self.end = i
-                        return i
-            elif c == '"':
-                self._in_string = True
-            elif c in "{[":
-                self._depth += 1
-            elif c in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    self.end = i
-                    return i
-        self._pos = i
-        return None
-
-
-class _CallObject:
-    """One `{"name": ..., <arguments key>: {...}}` object read as it is written: the name once
-    its string is complete, and where its arguments object starts and (later) ends."""
-
-    def __init__(self, start: int, arguments_keys: tuple[str, ...]) -> None:
-        self.start = start
-        self.arguments_keys = arguments_keys
-        self.name: str | None = None
-        self.arguments: _ValueEnd | None = None
-        """The arguments value, when it is an object (another kind is not streamed)."""
-        self.end: int | None = None
-        self.failed = False
-        """Not a call object as written so far."""
-        self._pos = start
-        self._state = "open"
-        self._key: Any = None
-        self._value: _ValueEnd | None = None
-
-    def advance(self, text: str) -> None:
-        while self.end is None and not self.failed:
-            if self._value is not None:
-                end = self._value.advance(text)
-                if end is None:
-                    return
-                if self._key == "name":
-                    self.name = json.loads(text[self._value.start : end])
-                self._value, self._pos, self._state = None, end, "after"
-                continue
-            i = _skip(text, self._pos)
-            if i == len(text):
-                return
-            c, state = text[i], self._state
-            if state == "open":
-                self.failed = c != "{"
-                self._pos, self._state = i + 1, "first key"
-            elif state in ("first key", "key"):
-                if c == "}" and state == "first key":
-                    self.end = i + 1
-                    return
-                if c != '"':
-                    self.failed = True
-                    return
-                key = _ValueEnd(i)
-                end = key.advance(text)
-                if end is None:
-                    return
-                self._key = json.loads(text[i:end])
-                self._pos, self._state = end, "colon"
-            elif state == "colon":
-                self.failed = c != ":"
-                self._pos, self._state = i + 1, "value"
-            elif state == "value":
-                self._value = _ValueEnd(i)
-                if self._key == "name":
-                    self.failed = c != '"'
-                elif self._key in self.arguments_keys and c == "{" and self.arguments is None:
-                    self.arguments = self._value
-            else:  # after a value
-                if c == "}":
-                    self.end = i + 1
-                else:
-                    self.failed = c != ","
-                    self._pos, self._state = i + 1, "key"
-
-    def arguments_text(self, text: str) -> str | None:
-        """The arguments written so far, once the call may begin (name and arguments started)."""
-        if self.name is None or self.arguments is None:
-            return None
-        return text[self.arguments.start : self.arguments.end or len(text)]
-
-
 class _Announcer:
     """The deltas of the call being written: its name with the arguments so far, then the
     arguments' new text each time."""
@@ -274,18 +154,18 @@ class _ObjectCalls:
         """Where the next call object starts (after the last one's end)."""
         self.broken = False
         self.announcer = _Announcer()
-        self._current: _CallObject | None = None
+        self._current: CallObject | None = None
 
     def advance(self, text: str, out: Parsed) -> None:
         while not self.broken:
             if self._current is None:
-                i = _skip(text, self.pos, self.separators)
+                i = skip(text, self.pos, self.separators)
                 if i == len(text):
                     return
                 if text[i] != "{":
                     self.broken = True
                     return
-                self._current = _CallObject(i, self.arguments_keys)
+                self._current = CallObject(i, self.arguments_keys)
             call = self._current
             call.advance(text)
             arguments = call.arguments_text(text)
@@ -345,7 +225,7 @@ class HermesStreamer(ToolStreamer):
                 out.content += self._buffer[:start]
                 self._buffer = self._buffer[start + len(self.OPEN) :]
                 self._inside = True
-                self._block = _ObjectCalls(self.KEYS, _WHITESPACE)
+                self._block = _ObjectCalls(self.KEYS, WHITESPACE)
                 continue
             keep = partial_suffix(self._buffer, self.OPEN)
             out.content += self._buffer[: len(self._buffer) - keep]
@@ -399,7 +279,7 @@ class Llama3JsonStreamer(ToolStreamer):
             start = len(self._buffer) - len(head)
             if head.startswith(self.TAG):
                 start += len(self.TAG)
-            self._calls = _ObjectCalls(("parameters", "arguments"), _WHITESPACE + ";", start)
+            self._calls = _ObjectCalls(("parameters", "arguments"), WHITESPACE + ";", start)
         out = Parsed()
         if self.streams_calls:
             assert self._calls is not None
@@ -439,14 +319,6 @@ class Llama3JsonStreamer(ToolStreamer):
             calls.append(call)
 
 
-def _literal(text: str, i: int, literal: str) -> int | None:
-    """The index after `literal` at text[i]; -1 when the text there differs from it; None
-    while the text ends inside it."""
-    if text.startswith(literal, i):
-        return i + len(literal)
-    return None if literal.startswith(text[i:]) else -1
-
-
 class _MarkerStreamer(ToolStreamer):
     """Content streams until MARKER; the text after it is calls, sent as `_stream` reads them;
     at the end, when none was read, `_parse` reads the held text whole (None: it was not calls,
@@ -461,7 +333,7 @@ class _MarkerStreamer(ToolStreamer):
         self._pos = 0
         """Where `_stream` stands in the held text (which starts with the marker)."""
         self._broken = False
-        self._arguments: _ValueEnd | None = None
+        self._arguments: ValueEnd | None = None
         self._name = ""
 
     def feed(self, text: str) -> Parsed:
@@ -500,7 +372,7 @@ class _MarkerStreamer(ToolStreamer):
                 if start < 0:
                     self._broken = True
                     break
-                self._arguments = _ValueEnd(start)
+                self._arguments = ValueEnd(start)
             end = self._arguments.advance(self._buffer)
             self._announcer.emit(out, self._name, self._buffer[self._arguments.start : end or len(self._buffer)])  # fmt: skip
             if end is None:
@@ -540,9 +412,9 @@ class MistralStreamer(_MarkerStreamer):
 
     def _read(self) -> Parsed:
         if self._array is None and not self._announcer.count:
-            i = _skip(self._buffer, self._pos)
+            i = skip(self._buffer, self._pos)
             if i < len(self._buffer) and self._buffer[i] == "[":
-                self._array = _ObjectCalls(self.KEYS, _WHITESPACE + ",", i + 1)
+                self._array = _ObjectCalls(self.KEYS, WHITESPACE + ",", i + 1)
                 self._array.announcer = self._announcer
         if self._array is None:
             return super()._read()
@@ -551,17 +423,17 @@ class MistralStreamer(_MarkerStreamer):
         return out
 
     def _call_start(self, text: str) -> int | None:
-        i = _skip(text, self._pos)
+        i = skip(text, self._pos)
         if i == len(text):
             return None
-        after_marker = _literal(text, i, self.MARKER)  # between calls of v11
+        after_marker = literal(text, i, self.MARKER)  # between calls of v11
         if after_marker is None:
             return None
         i = max(i, after_marker)
         args = text.find(self.ARGS, i)
         if args < 0:
             return None
-        value = _skip(text, args + len(self.ARGS))
+        value = skip(text, args + len(self.ARGS))
         if value == len(text):
             return None
         self._name = text[i:args].strip()
@@ -589,10 +461,10 @@ class DeepSeekV3Streamer(_MarkerStreamer):
     keeps_special_tokens = True
 
     def _call_start(self, text: str) -> int | None:
-        i = _skip(text, self._pos)
+        i = skip(text, self._pos)
         if i == len(text):
             return None
-        begin = _literal(text, i, self.CALL_BEGIN)
+        begin = literal(text, i, self.CALL_BEGIN)
         if begin is None or begin < 0:
             return begin  # the calls' end marker, or not a call
         sep = text.find(self.SEP, begin)
@@ -601,10 +473,10 @@ class DeepSeekV3Streamer(_MarkerStreamer):
             return None
         if text[begin:sep].strip() != "function":
             return -1
-        fence = _literal(text, _skip(text, newline), self.FENCE)
+        fence = literal(text, skip(text, newline), self.FENCE)
         if fence is None or fence < 0:
             return fence
-        value = _skip(text, fence)
+        value = skip(text, fence)
         if value == len(text):
             return None
         self._name = text[sep + len(self.SEP) : newline].strip()
@@ -651,14 +523,6 @@ class PythonicStreamer(Llama3JsonStreamer):
                 return None
             calls.append(ParsedCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
         return calls
-
-
-def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 TOOL_PARSERS: dict[str, type[ToolStreamer]] = {
