@@ -64,6 +64,10 @@ def test_the_reasoning_is_split_off_whole_and_streamed(client):
     assert re.fullmatch(r"The answer is [0-9]\.", message.content), message
     chunks, reasoning, content = _streamed(client, extra_body=forced)
     assert (reasoning, content) == (message.reasoning_content, message.content)
+    hidden = {**forced, "include_reasoning": False}
+    plain = _create(client, extra_body=hidden).choices[0].message
+    assert (plain.reasoning_content, plain.content) == (None, message.content)
+    assert _streamed(client, extra_body=hidden)[1:] == ("", message.content)
     # The reasoning went out piecewise, before any of the answer.
     kinds = [
         "r" if getattr(c.choices[0].delta, "reasoning_content", None) else "c"

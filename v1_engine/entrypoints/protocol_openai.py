@@ -318,6 +318,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt false)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template, e.g. `{"enable_thinking": false}` (Qwen3)."""
+    include_reasoning: bool = True
+    """With a reasoning parser: false leaves `reasoning_content` out (the answer is the same)."""
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """"none" (plain text), "required" (one or more calls of the tools), or a named function

@@ -109,6 +109,7 @@ class OpenAIServingChat(OpenAIServing):
         plan = plan_tools(body, self.tool_call_parser)  # checked by _prepare's sampling params
         if self.reasoning_parser is not None:
             plan, params = self._reasoning_plan(plan, token_ids, params)
+            plan = dataclasses.replace(plan, include_reasoning=body.include_reasoning)
         response_id = f"chatcmpl-{request_id}"
         if body.stream:
             return StreamingResponse(
@@ -309,7 +310,7 @@ def _split_reasoning(
     if completion.finish_reason is not None:
         more_reasoning, more_text = state.reasoner.finish()
         reasoning, text = reasoning + more_reasoning, text + more_text
-    return reasoning, text
+    return (reasoning if plan.include_reasoning else ""), text
 
 
 def _message(plan: ToolPlan, state: ChatChoiceState) -> tuple[ChatResponseMessage, str | None]:
@@ -319,7 +320,7 @@ def _message(plan: ToolPlan, state: ChatChoiceState) -> tuple[ChatResponseMessag
         return _answer(plan, state, state.text)
     reasoning, text = parse_reasoning(plan.reasoning, state.text, plan.constrained)
     message, finish_reason = _answer(plan, state, text)
-    message.reasoning_content = reasoning
+    message.reasoning_content = reasoning if plan.include_reasoning else None
     if message.content == "" and reasoning is not None:
         message.content = None  # cut while reasoning: no answer yet
     return message, finish_reason

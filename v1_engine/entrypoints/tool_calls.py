@@ -37,6 +37,8 @@ class ToolPlan:
     """The reasoning parser splitting the output before the plan reads it (None: no split)."""
     constrained: bool = False
     """Whether structured outputs constrain the output from its first token."""
+    include_reasoning: bool = True
+    """Whether the reasoning split off is sent (`reasoning_content`)."""
 
 
 def plan_tools(body: ChatCompletionRequest, parser: str | None = None) -> ToolPlan:
