@@ -242,11 +242,11 @@ class CompilationConfig:
     """Capture piecewise CUDA graphs (level >= 1 on CUDA) for steps of up to the largest capture
     size in tokens that are not uniform decode steps (prefills, mixed batches): the compiled
     pieces replay as graphs and only attention runs eagerly between them."""
-    verify_cudagraphs: bool = False
+    verify_cudagraphs: bool = True
     """With speculative decoding at level 2 on CUDA (Triton attention, no MLA): capture
     whole-forward graphs of verify steps (each request at most 1 + drafts tokens), as decode steps
-    have, instead of running them through the piecewise graphs. Opt-in until measured and
-    validated on a GPU (compile/cuda_graphs.py `VarlenCudaGraphs`)."""
+    have, instead of running them through the piecewise graphs (compile/cuda_graphs.py
+    `VarlenCudaGraphs`). False: the piecewise graphs and eager attention for verify steps."""
 
     @classmethod
     def from_value(

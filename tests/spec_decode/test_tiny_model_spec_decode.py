@@ -52,16 +52,19 @@ def test_drafts_leave_greedy_output_unchanged_on_the_cpu(tiny_llama_dir):
     _check(tiny_llama_dir)
 
 
-VERIFY_GRAPHS = {"level": 2, "verify_cudagraphs": True}
+VERIFY_GRAPHS = 2  # the default at level 2: full graphs for verify steps
+PIECEWISE_VERIFY = {"level": 2, "verify_cudagraphs": False}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("level", [0, 2, VERIFY_GRAPHS], ids=["O0", "O2", "O2-verify-graphs"])
+@pytest.mark.parametrize(
+    "level", [0, PIECEWISE_VERIFY, VERIFY_GRAPHS], ids=["O0", "O2-piecewise-verify", "O2"]
+)
 def test_drafts_leave_greedy_output_unchanged_on_the_gpu(tiny_llama_dir, level):
     assert torch.cuda.is_available()
     llm = _check(tiny_llama_dir, compilation_config=level)
     runner = llm.engine_core.model_runner
-    if level == 2:
+    if level == PIECEWISE_VERIFY:
         assert runner._verify_graphs is None  # verify steps run the piecewise graphs
     if level == VERIFY_GRAPHS:  # verify steps replayed full graphs, the others decode graphs
         assert runner._verify_graphs is not None and runner._verify_graphs.query_len == 5
