@@ -72,12 +72,17 @@ if [[ " $STAGES " == *" tests "* ]]; then
   # TEST_PART splits the GPU tests into two device calls of under 10 minutes each: "kernels"
   # (tests/kernels and tests/attention: compile-bound, in TEST_WORKERS processes sharing the GPU
   # when pytest-xdist is installed: `../shared/tools/device-wheels pytest-xdist execnet`) and
-  # "rest" (the engine, model and server tests, one at a time: some measure GPU memory).
+  # "rest" (the engine, model and server tests, one at a time: some measure GPU memory), which
+  # outgrew one call's time after the kernels (2026-12-07): "models" (tests/models, 31 tests)
+  # and "engine" (the other 25: compile, engine, worker, spec decode, structured outputs, ...)
+  # split it in two.
   # Unset: everything, one at a time.
   case "${TEST_PART:-all}" in
     kernels) test_paths=(tests/kernels tests/attention)
              python3 -c "import xdist" 2>/dev/null && test_paths+=(-n "${TEST_WORKERS:-8}") ;;
     rest) test_paths=(tests --ignore=tests/kernels --ignore=tests/attention) ;;
+    models) test_paths=(tests/models) ;;
+    engine) test_paths=(tests --ignore=tests/kernels --ignore=tests/attention --ignore=tests/models) ;;
     *) test_paths=(tests/) ;;
   esac
   python3 -m pytest -m gpu -q -s -rfE -p no:cacheprovider "${test_paths[@]}" 2>&1 \
