@@ -339,3 +339,17 @@ def test_chat_template_kwargs_and_continue_final_message(llm):
     with pytest.raises(ValueError, match="continue_final_message needs an assistant message"):
         llm.chat(opened[:1], use_tqdm=False, add_generation_prompt=False,
                  continue_final_message=True)  # fmt: skip
+
+
+def test_chat_with_a_template_for_the_call(llm):
+    from v1_engine.engine.input_processor import load_chat_template
+
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    messages = [{"role": "user", "content": "Hi"}]
+    (out,) = llm.chat(messages, _greedy(max_tokens=2), use_tqdm=False, chat_template=template)
+    assert out.prompt == "<user>Hi<assistant>"
+    assert load_chat_template(template) == template
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        load_chat_template("chatml")
+    with pytest.raises(ValueError, match="not a valid Jinja template"):
+        load_chat_template("{% for m in messages %}")

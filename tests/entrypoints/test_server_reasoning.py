@@ -37,10 +37,36 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
 
 
+# The default model's template with another system prompt: the deepseek_r1 server takes it from
+# --chat-template (a file).
+TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a careful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
-def r1_client():
-    with running_server("--reasoning-parser", "deepseek_r1") as s:
+def r1_client(tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat_template.jinja"
+    template.write_text(TEMPLATE)
+    with running_server("--reasoning-parser", "deepseek_r1", "--chat-template", str(template)) as s:
         yield openai.OpenAI(base_url=f"{s.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def test_the_chat_template_flag_replaces_the_models(r1_client, client):
+    def prompt(c):
+        url = str(c.base_url).removesuffix("/v1/")
+        body = {"messages": ASK}
+        tokens = httpx.post(f"{url}/tokenize", json=body, timeout=30,
+                            headers={"Authorization": f"Bearer {API_KEY}"}).json()["tokens"]  # fmt: skip
+        detokenized = httpx.post(f"{url}/detokenize", json={"tokens": tokens}, timeout=30,
+                                 headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+        return detokenized.json()["prompt"]
+
+    assert prompt(r1_client).startswith("<|im_start|>system\nYou are a careful assistant.")
+    assert "careful" not in prompt(client)  # the other server keeps the model's template
 
 
 def _create(client, **kwargs):

@@ -121,13 +121,19 @@ class AsyncEngine:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Like generate(), for a conversation rendered with the model's chat template (with
         `tools`, OpenAI function tools, for templates that render them; LLM.chat says what the
         other options do)."""
         self._raise_if_dead()
         prompt_text, token_ids = self.input_processor.chat_token_ids(
-            messages, add_generation_prompt, tools, continue_final_message, chat_template_kwargs
+            messages,
+            add_generation_prompt,
+            tools,
+            continue_final_message,
+            chat_template_kwargs,
+            chat_template,
         )
         outputs = self._generate(prompt_text, token_ids, sampling_params, request_id)
         async with contextlib.aclosing(outputs):  # closing us must close it (and abort) now

@@ -26,6 +26,27 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 """Names chat_template_kwargs may not set: the request's own fields and the renderer's."""
 
 
+def load_chat_template(value: str) -> str:
+    """A chat template given as a file's path or as the Jinja text itself (as vLLM's
+    --chat-template takes it), parsed; ValueError saying what is wrong with it."""
+    import os
+
+    import jinja2
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"{value!r} is neither a file nor a Jinja template")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"is not a valid Jinja template: {e.message} (line {e.lineno})") from None
+    return text
+
+
 class ChatFieldError(ValueError):
     """A chat option that cannot hold; `field` names it."""
 
@@ -95,8 +116,10 @@ class InputProcessor:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> str:
-        """The conversation through the model's chat template, with `tools` (OpenAI's
+        """The conversation through the model's chat template (or `chat_template`, a Jinja
+        template given for this call), with `tools` (OpenAI's
         `{"type": "function", "function": {"name", "description", "parameters"}}` entries) for
         templates that render them and `chat_template_kwargs` (e.g. `{"enable_thinking":
         False}`) as template variables. ValueError naming what does not fit."""
@@ -123,10 +146,11 @@ class InputProcessor:
         kwargs = check_chat_options(
             messages, add_generation_prompt, continue_final_message, chat_template_kwargs
         )
-        if self.tokenizer.chat_template is None:
+        if chat_template is None and self.tokenizer.chat_template is None:
             raise ValueError("this model has no chat template; use generate() with a prompt")
         return self.tokenizer.apply_chat_template(
             messages,
+            chat_template=chat_template,
             tools=tools,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
@@ -141,9 +165,15 @@ class InputProcessor:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> tuple[str, list[int]]:
         text = self.render_chat(
-            messages, add_generation_prompt, tools, continue_final_message, chat_template_kwargs
+            messages,
+            add_generation_prompt,
+            tools,
+            continue_final_message,
+            chat_template_kwargs,
+            chat_template,
         )
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 

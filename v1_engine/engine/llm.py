@@ -95,12 +95,14 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {'role', 'content'}) or a list of them, through the
         model's chat template; `tools` (OpenAI function tools) reach templates that render
         them, `chat_template_kwargs` are template variables (`{"enable_thinking": False}`), and
         `continue_final_message` (with add_generation_prompt=False) lets the model continue the
-        last, assistant message. The output is the model's text: read calls from it with
+        last, assistant message; `chat_template` (a Jinja template) replaces the model's for
+        this call. The output is the model's text: read calls from it with
         `v1_engine.entrypoints.tool_parsers.parse_tool_calls(parser, text)`, reasoning with
         `v1_engine.entrypoints.reasoning_parsers.parse_reasoning(parser, text)`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -114,6 +116,7 @@ class LLM:
                         tools,
                         continue_final_message,
                         chat_template_kwargs,
+                        chat_template,
                     )
                 )
             except ValueError as e:

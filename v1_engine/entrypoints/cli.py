@@ -21,6 +21,7 @@ from v1_engine.config import (
     LOAD_FORMAT_CHOICES,
     QUANTIZATION_CHOICES,
 )
+from v1_engine.engine.input_processor import load_chat_template
 from v1_engine.entrypoints.reasoning_parsers import REASONING_PARSERS
 from v1_engine.entrypoints.tool_parsers import TOOL_PARSERS
 
@@ -80,6 +81,12 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
         "model's format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1-3.3), pythonic "
         "(Llama 3.2 / 4), mistral, deepseek_v3; without "
         'it "auto" is a 400 ("required", "none" and named functions need no parser)',
+    )
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template for /v1/chat/completions and /tokenize instead of the model's: a "
+        "file's path or the Jinja text itself",
     )
     group.add_argument(
         "--reasoning-parser",
@@ -305,7 +312,10 @@ def run_server(args: argparse.Namespace) -> int:
     def make_engine(stat_loggers: list[Any]) -> Any:
         from v1_engine.engine.async_engine import AsyncEngine
 
-        return AsyncEngine(stat_loggers=with_log_stats(args, stat_loggers), **kwargs)
+        engine = AsyncEngine(stat_loggers=with_log_stats(args, stat_loggers), **kwargs)
+        if args.chat_template is not None:  # checked in main(); the front-end renders chats
+            engine.get_tokenizer().chat_template = load_chat_template(args.chat_template)
+        return engine
 
     return uvloop.run(
         serve(
@@ -333,6 +343,11 @@ def main(argv: list[str] | None = None) -> None:
         argv = argv[1:]
     parser = make_parser()
     args = parser.parse_args(argv)
+    if args.chat_template is not None:
+        try:
+            load_chat_template(args.chat_template)
+        except (OSError, ValueError) as e:
+            parser.error(f"--chat-template {e}")
     if args.log_stats_interval <= 0:
         parser.error(f"--log-stats-interval must be > 0, got {args.log_stats_interval}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
