@@ -32,6 +32,7 @@ import time
 import msgspec
 
 from v1_engine import LLM, SamplingParams
+from v1_engine.spec_decode.draft_counter import DraftCounter
 
 SNIPPETS = [
     "def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(xs)\n",
@@ -108,25 +109,9 @@ def workloads(batch: int) -> dict[str, list[list[dict[str, str]]]]:
     }
 
 
-class Counter:
-    def __init__(self, llm: LLM) -> None:
-        self.drafts = self.draft_tokens = self.accepted = 0
-        scheduler = llm.engine_core.scheduler
-        original = scheduler.make_stats
-
-        def counting():
-            stats = original()
-            self.drafts += stats.spec_num_drafts
-            self.draft_tokens += stats.spec_num_draft_tokens
-            self.accepted += stats.spec_num_accepted_tokens
-            return stats
-
-        scheduler.make_stats = counting
-
-
-def run(llm: LLM, conversations, params, batch: int) -> tuple[float, list[list[int]], Counter]:
+def run(llm: LLM, conversations, params, batch: int) -> tuple[float, list[list[int]], DraftCounter]:
     """The conversations `batch` at a time (one generate call each)."""
-    counter = Counter(llm)
+    counter = DraftCounter(llm)
     tokens = []
     start = time.perf_counter()
     for i in range(0, len(conversations), batch):
@@ -215,7 +200,7 @@ def main() -> None:
     for name, (conversations, case_params) in cases.items():
         best: dict[str, float] = {}
         tokens: dict[str, list[list[int]]] = {}
-        counters: dict[str, Counter] = {}
+        counters: dict[str, DraftCounter] = {}
         # Untimed: the first requests of each engine and sampling mode pay one-time costs
         # (kernels compiled on first use), which would count against whichever runs first.
         warm_up = msgspec.structs.replace(case_params, max_tokens=min(16, args.max_tokens))

@@ -10,12 +10,12 @@ import re
 
 import numpy as np
 import pytest
-from draft_counter import DraftCounter
 
 from v1_engine import LLM, AsyncEngine, SamplingParams, StructuredOutputsParams
 from v1_engine.config import EngineConfig
 from v1_engine.entrypoints.cli import engine_kwargs, make_parser
 from v1_engine.metrics.base import StatLoggerBase
+from v1_engine.spec_decode.draft_counter import DraftCounter
 from v1_engine.spec_decode.ngram import DraftBackoff, propose_ngram
 from v1_engine.spec_decode.verify import accept_drafts
 

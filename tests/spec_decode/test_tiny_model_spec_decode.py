@@ -9,9 +9,9 @@ import itertools
 
 import pytest
 import torch
-from draft_counter import DraftCounter
 
 from v1_engine import LLM, SamplingParams
+from v1_engine.spec_decode.draft_counter import DraftCounter
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 

@@ -1,8 +1,12 @@
-"""The speculative-decoding counters of the scheduler's stats, summed over a test's steps."""
+"""DraftCounter: the speculative-decoding counters of an offline engine's scheduler stats, summed
+over its steps from a point on (the tests' and the spec benchmark's measure of drafts kept)."""
 
 from __future__ import annotations
 
-from v1_engine import LLM
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from v1_engine.engine.llm import LLM
 
 
 class DraftCounter:
