@@ -252,7 +252,7 @@ class RequestGrammar:
         matcher that has accepted its stop token (a step async scheduling planned early)."""
         if self._reasoning(output_token_ids):
             return
-        if not self._catch_up(output_token_ids[self.start :]):
+        if not self._catch_up(output_token_ids):
             self._only_eos(bitmask, row)
             return
         self._matcher.fill_next_token_bitmask(bitmask, row)
@@ -293,7 +293,7 @@ class RequestGrammar:
         if self._reasoning(output_token_ids):
             end = self._end_of_reasoning(output_token_ids + drafts, len(output_token_ids))
             return drafts if end is None else drafts[: end - len(output_token_ids)]
-        if not drafts or not self._catch_up(output_token_ids[self.start :]):
+        if not drafts or not self._catch_up(output_token_ids):
             return []
         num_accepted = 0
         for draft in drafts:
@@ -306,22 +306,27 @@ class RequestGrammar:
 
     def _first_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row`: the grammar's allowed first tokens (its matcher has accepted nothing)."""
-        if self._catch_up([]) and self.num_accepted == 0:
+        if self._make_matcher() and self.num_accepted == 0:
             self._matcher.fill_next_token_bitmask(bitmask, row)
 
-    def _catch_up(self, output_token_ids: list[int]) -> bool:
-        """Make the matcher and accept the constrained outputs it has not seen; False when
-        there is no mask to give (the compile failed, or the matcher has accepted its stop
-        token)."""
+    def _make_matcher(self) -> bool:
+        """Make the matcher once the compile is done; False when the compile failed."""
         if self._matcher is None and not self._failed:
             try:
                 self._matcher = _xgrammar().GrammarMatcher(self._compiled.result())
             except Exception:
                 logger.exception("structured output: the grammar failed to compile")
                 self._failed = True
-        if self._failed:
+        return not self._failed
+
+    def _catch_up(self, output_token_ids: list[int]) -> bool:
+        """Make the matcher and accept the constrained outputs (from `start` on) it has not
+        seen; False when there is no mask to give (the compile failed, or the matcher has
+        accepted its stop token)."""
+        if not self._make_matcher():
             return False
-        for token_id in output_token_ids[self.num_accepted :]:
+        assert self.start is not None
+        for token_id in output_token_ids[self.start + self.num_accepted :]:
             if self._matcher.is_terminated():
                 break
             if not self._matcher.accept_token(token_id):

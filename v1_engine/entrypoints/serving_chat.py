@@ -6,6 +6,7 @@ parser reads; reasoning_parsers.py says how a constrained output is read)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from array import array
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -141,6 +142,14 @@ class OpenAIServingChat(OpenAIServing):
         self.validate(token_ids, params)
         return token_ids, params
 
+    @functools.cached_property
+    def _reasoning_tags(self) -> tuple[list[int], list[int]]:
+        """The token ids of the reasoning parser's opening and closing tags."""
+        assert self.reasoning_parser is not None
+        reasoner = REASONING_PARSERS[self.reasoning_parser]
+        encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+        return encode(reasoner.START), encode(reasoner.END)
+
     def _reasoning_plan(
         self, plan: ToolPlan, token_ids: list[int], params: SamplingParams
     ) -> tuple[ToolPlan, SamplingParams]:
@@ -151,8 +160,7 @@ class OpenAIServingChat(OpenAIServing):
         reasoner = REASONING_PARSERS[self.reasoning_parser]
         structured = params.structured_outputs
         if structured is not None and reasoner.opens_in_prompt:
-            start = self.tokenizer.encode(reasoner.START, add_special_tokens=False)
-            end = self.tokenizer.encode(reasoner.END, add_special_tokens=False)
+            start, end = self._reasoning_tags
             if _last_index(token_ids, end) <= _last_index(token_ids, start):
                 structured = msgspec.structs.replace(structured, reasoning_end=end)
                 params = msgspec.structs.replace(params, structured_outputs=structured)
