@@ -333,7 +333,7 @@ def main() -> None:
         mode = f"compilation level {level}: {COMPILATION_MODES[level]}"
         mode += f", KV blocks of {llm.config.cache_config.block_size} tokens"
         rows = decode_rows(llm, shape, args, batch_sizes)
-        graphs = llm.engine_core.model_runner._decode_graphs
+        graphs = llm.engine_core.model_runner.graphs.decode
         if graphs is not None:
             mode += f", {graphs.num_replays} steps replayed from graphs"
         lines += [

@@ -85,7 +85,7 @@ if [[ " $STAGES " == *" tests "* ]]; then
     engine) test_paths=(tests --ignore=tests/kernels --ignore=tests/attention --ignore=tests/models) ;;
     *) test_paths=(tests/) ;;
   esac
-  python3 -m pytest -m gpu -q -s -rfE -p no:cacheprovider "${test_paths[@]}" 2>&1 \
+  python3 -m pytest -m gpu -q -s -rfE --durations=12 -p no:cacheprovider "${test_paths[@]}" 2>&1 \
     | tee "$LOG_DIR/gpu_tests.log"
   test_rc=${PIPESTATUS[0]}
   [ "$test_rc" -eq 0 ] || status=1

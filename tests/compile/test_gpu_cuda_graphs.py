@@ -65,7 +65,7 @@ def _llm(model_dir, **kwargs) -> LLM:
 def expected(model_dir) -> dict[int, list[list[int]]]:
     eager = _llm(model_dir, enforce_eager=True)
     runner = _runner(eager)
-    assert runner._decode_graphs is None and runner._piecewise_graphs is None
+    assert runner.graphs.decode is None and runner.graphs.piecewise is None
     tokens = {n: _greedy(eager, PROMPTS[:n]) for n in (1, 3, 6)}
     del eager
     torch.cuda.empty_cache()
@@ -84,8 +84,8 @@ def test_piecewise_graphs_equal_eager(model_dir, expected):
         },
     )
     runner = _runner(llm)
-    assert runner._decode_graphs is None
-    piecewise = runner._piecewise_graphs
+    assert runner.graphs.decode is None
+    piecewise = runner.graphs.piecewise
     assert piecewise is not None and piecewise.sizes == [2, 8, 32]
     for n in (1, 3, 6):
         before = piecewise.num_replays
@@ -99,7 +99,7 @@ def test_decode_graphs_equal_eager(model_dir, expected):
         model_dir, compilation_config={"level": 2, "cudagraph_capture_sizes": [1, 2, 4]}
     )
     runner = _runner(graphs_llm)
-    graphs = runner._decode_graphs
+    graphs = runner.graphs.decode
     assert graphs is not None and graphs.sizes == [1, 2, 4]
     assert "graph capture" in runner.startup_s
     for n in (1, 3):  # 3 requests replay the graph of 4 (one padding row)
@@ -119,7 +119,7 @@ def test_level2_replays_piecewise_and_decode_graphs(model_dir, expected):
     decode steps replay the full decode graphs; tokens equal eager's."""
     llm = _llm(model_dir, compilation_config={"level": 2, "cudagraph_capture_sizes": [4, 16, 64]})
     runner = _runner(llm)
-    decode, piecewise = runner._decode_graphs, runner._piecewise_graphs
+    decode, piecewise = runner.graphs.decode, runner.graphs.piecewise
     assert decode is not None and decode.sizes == [4, 16]  # capped by max_num_seqs
     assert piecewise is not None and piecewise.sizes == [4, 16, 64]
     for n in (1, 3, 6):
@@ -141,7 +141,7 @@ def test_default_model_level2_equals_eager_fp32():
     eager = _greedy(LLM(enforce_eager=True, **kwargs), PROMPTS[:5], max_tokens=24)
     torch.cuda.empty_cache()
     llm = LLM(compilation_config=2, **kwargs)
-    graphs = _runner(llm)._decode_graphs
+    graphs = _runner(llm).graphs.decode
     assert graphs is not None and graphs.sizes[-1] == 8
     _assert_same_tokens(_greedy(llm, PROMPTS[:5], max_tokens=24), eager)
     assert graphs.num_replays > 0

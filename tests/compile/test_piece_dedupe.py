@@ -296,7 +296,7 @@ def test_gpu_piecewise_graphs_of_shared_pieces_equal_eager(four_layer_llama_dir)
     config = {"level": 1, "cudagraph_capture_sizes": [2, 8, 32], "piecewise_cudagraphs": True}
     llm = LLM(str(four_layer_llama_dir), compilation_config=config, **kwargs)
     runner = llm.engine_core.model_runner
-    piecewise = runner._piecewise_graphs
+    piecewise = runner.graphs.piecewise
     assert piecewise is not None
     before = piecewise.num_replays
     assert greedy(llm) == eager

@@ -270,7 +270,7 @@ def eager_and_graphed(spec: dict, dtype: str, path: Path, tokenizer) -> dict[str
         llm = build_llm(path, level, dtype=dtype, max_num_seqs=8)
         runner = llm.engine_core.model_runner
         assert runner.device.type == "cuda"
-        graphs = runner._decode_graphs
+        graphs = runner.graphs.decode
         assert (graphs is None) == (run == "eager")
         replays_before = 0 if graphs is None else graphs.num_replays
         generated = llm.generate(prompts, params, use_tqdm=False)

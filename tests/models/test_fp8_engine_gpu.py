@@ -79,7 +79,7 @@ def test_fp8_model_compiled_with_graphs_on_cuda_follows_eager(tmp_path, default_
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     del eager
     llm = LLM(str(tmp_path), compilation_config=2, max_num_seqs=4, **kwargs)
-    decode = llm.engine_core.model_runner._decode_graphs
+    decode = llm.engine_core.model_runner.graphs.decode
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert decode is not None and decode.num_replays > 0
     assert_tokens_follow(got, want)  # bf16 activations: near ties may flip

@@ -65,11 +65,11 @@ def test_drafts_leave_greedy_output_unchanged_on_the_gpu(tiny_llama_dir, level):
     llm = _check(tiny_llama_dir, compilation_config=level)
     runner = llm.engine_core.model_runner
     if level == PIECEWISE_VERIFY:
-        assert runner._verify_graphs is None  # verify steps run the piecewise graphs
+        assert runner.graphs.verify is None  # verify steps run the piecewise graphs
     if level == VERIFY_GRAPHS:  # verify steps replayed full graphs, the others decode graphs
-        assert runner._verify_graphs is not None and runner._verify_graphs.query_len == 5
-        assert runner._verify_graphs.num_replays > 10
-        assert runner._decode_graphs is not None and runner._decode_graphs.num_replays > 0
+        assert runner.graphs.verify is not None and runner.graphs.verify.query_len == 5
+        assert runner.graphs.verify.num_replays > 10
+        assert runner.graphs.decode is not None and runner.graphs.decode.num_replays > 0
         assert runner._forward.stats.num_traces <= 1  # no recompilation for the verify graphs
 
 
@@ -146,7 +146,7 @@ def test_verify_graphs_compute_what_the_eager_forward_does(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=128,
               max_num_seqs=16, speculative_config=SPEC, compilation_config=VERIFY_GRAPHS)  # fmt: skip
     runner = llm.engine_core.model_runner
-    graphs = runner._verify_graphs
+    graphs = runner.graphs.verify
     assert graphs is not None
     original = runner._run_forward
     errors: list[tuple[int, int, float]] = []

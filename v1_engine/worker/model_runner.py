@@ -7,12 +7,10 @@ scheduler beyond the SchedulerOutput / ModelRunnerOutput contract.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,6 +32,7 @@ from v1_engine.structured_output import (
     RequestGrammar,
     StructuredOutputsParams,
 )
+from v1_engine.worker.cuda_graph_plan import CudaGraphPlan
 from v1_engine.worker.host_staging import HostStaging
 from v1_engine.worker.input_batch import CachedRequestState, InputBatch
 from v1_engine.worker.kv_sizing import (
@@ -46,9 +45,6 @@ from v1_engine.worker.kv_sizing import (
 from v1_engine.worker.sampling_rows import sampling_metadata
 from v1_engine.worker.step_inputs import StepInputs, prepare_step_inputs
 from v1_engine.worker.step_output import PendingTokens, StepOutput, copy_to_host
-
-if TYPE_CHECKING:
-    from compile.cuda_graphs import DecodeCudaGraphs, PiecewiseCudaGraphs, VarlenCudaGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -109,13 +105,16 @@ class ModelRunner:
         self._pending: PendingTokens | None = None
         """Tokens sampled by the last step, not yet written into the host-side batch."""
         self._staging = HostStaging(device)
-        self._decode_graphs: DecodeCudaGraphs | None = None
-        """Full CUDA graphs of decode steps (level 2 on CUDA), captured after the KV cache."""
-        self._piecewise_graphs: PiecewiseCudaGraphs | None = None
-        """Piecewise CUDA graphs of any step up to the largest size (level >= 1 on CUDA)."""
-        self._verify_graphs: VarlenCudaGraphs | None = None
-        """Full CUDA graphs of speculative decoding's verify steps (level 2 on CUDA, drafts on,
-        an attention backend that captures any query length)."""
+        self.graphs = CudaGraphPlan(
+            config,
+            self.model,
+            self.attn_backend,
+            device,
+            self.dtype,
+            self.hf_config.hidden_size,
+            self.vocab_size,
+        )
+        """The CUDA graphs (decode, verify, piecewise), captured after the KV cache."""
 
     # ---- KV cache -------------------------------------------------------------------------
 
@@ -162,7 +161,7 @@ class ModelRunner:
             profiled_tokens=sc.max_num_batched_tokens,
             max_model_len=self.max_model_len,
         )
-        reserve = self._cudagraph_reserve_bytes()
+        reserve = self.graphs.reserve_bytes()
         if reserve:
             per_block = self.kv_report.bytes_per_block
             num_blocks -= -(-reserve // per_block)
@@ -180,104 +179,6 @@ class ModelRunner:
             )
         return num_blocks
 
-    @functools.cached_property
-    def _graphs_possible(self) -> bool:
-        """CUDA graphs need CUDA, level >= 1 and attention backends that can be captured."""
-        cc = self.config.compilation_config
-        if self.device.type != "cuda" or cc.effective_level("cuda") < 1:
-            return False
-        if not getattr(self.attn_backend, "supports_cudagraph", False):
-            logger.info(
-                "attention backend %s cannot be captured: no CUDA graphs", self.attn_backend
-            )
-            return False
-        from v1_engine.layers.mla import MLAAttention, get_mla_backend
-
-        uses_mla = any(isinstance(x, MLAAttention) for x in self.model.attention_layers())
-        if uses_mla and not getattr(get_mla_backend(self.device), "supports_cudagraph", False):
-            logger.info("the MLA backend cannot be captured: no CUDA graphs")
-            return False
-        return True
-
-    @functools.cached_property
-    def _decode_graph_sizes(self) -> list[int]:
-        """Requests per decode graph (level 2); empty when there are none."""
-        cc = self.config.compilation_config
-        if not self._graphs_possible or cc.effective_level("cuda") < 2:
-            return []
-        return cc.capture_sizes(self.config.scheduler_config.max_num_seqs)
-
-    @functools.cached_property
-    def _verify_query_len(self) -> int:
-        """Query tokens a request computes in a verify step: its last token and its drafts (0
-        without speculative decoding)."""
-        spec = self.config.speculative_config
-        return 1 + spec.num_speculative_tokens if spec.enabled else 0  # type: ignore[operator]
-
-    @functools.cached_property
-    def _verify_graph_sizes(self) -> list[int]:
-        """Requests per verify graph (level 2, drafts on, `verify_cudagraphs`, a backend that
-        captures any query length, no MLA): the decode graphs' sizes whose tokens fit the
-        step's token budget."""
-        q = self._verify_query_len
-        if not q or not self._decode_graph_sizes:
-            return []
-        if not self.config.compilation_config.verify_cudagraphs:
-            return []
-        if not getattr(self.attn_backend, "supports_varlen_cudagraph", False):
-            logger.info("attention backend %s: verify steps run piecewise", self.attn_backend)
-            return []
-        from v1_engine.layers.mla import MLAAttention
-
-        if any(isinstance(x, MLAAttention) for x in self.model.attention_layers()):
-            return []
-        budget = self.config.scheduler_config.max_num_batched_tokens
-        return [n for n in self._decode_graph_sizes if n * q <= budget]
-
-    @functools.cached_property
-    def _piecewise_graph_sizes(self) -> list[int]:
-        """Tokens per piecewise graph (level >= 1, `piecewise_cudagraphs`); empty when none."""
-        cc = self.config.compilation_config
-        if not self._graphs_possible or not cc.piecewise_cudagraphs:
-            return []
-        limit = self.config.scheduler_config.max_num_batched_tokens
-        return cc.piecewise_sizes(limit, cc.effective_level("cuda"))
-
-    @functools.cached_property
-    def _cudagraph_sizes(self) -> list[int]:
-        """Every size some graph is captured for (requests of a decode graph, tokens of a
-        piecewise or verify graph), ascending; empty when graphs are off."""
-        verify = {n * self._verify_query_len for n in self._verify_graph_sizes}
-        return sorted(set(self._decode_graph_sizes) | set(self._piecewise_graph_sizes) | verify)
-
-    def _cudagraph_reserve_bytes(self) -> int:
-        """Memory the graphs' shared pool will take, measured before the KV pool exists: the peak
-        activations of the largest captured batch (the pool holds about one such forward, as
-        smaller graphs reuse it), plus the decode graphs' output buffers."""
-        sizes = self._cudagraph_sizes
-        if not sizes:
-            return 0
-        largest = sizes[-1]
-        forward = make_dummy_forward(
-            self.model,
-            self.attn_backend,
-            largest,
-            1,
-            self.vocab_size,
-            self.device,
-            max_positions=self.max_model_len,
-        )
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        forward()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        hidden = self.hf_config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
-        outputs = sum(sizes) * hidden
-        torch.cuda.empty_cache()
-        return peak + outputs
-
     def initialize_kv_cache(self, num_blocks: int) -> None:
         start = time.perf_counter()
         self.kv_caches = []
@@ -294,7 +195,9 @@ class ModelRunner:
         )
         self.startup_s["KV allocation"] = time.perf_counter() - start
         self._compile_forward()
-        self._capture_cuda_graphs()
+        start = time.perf_counter()
+        if self.graphs.capture(self._forward):
+            self.startup_s["graph capture"] = time.perf_counter() - start
         logger.info(
             "startup breakdown: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_s.items())
         )
@@ -312,7 +215,7 @@ class ModelRunner:
         compiled = build_compiled_forward(
             self.model,
             cc,
-            cudagraphs=bool(self._cudagraph_sizes),
+            cudagraphs=bool(self.graphs.sizes),
             device_type=self.device.type,
             cache_dir=cache_dir,
         )
@@ -348,42 +251,6 @@ class ModelRunner:
             "max_num_batched_tokens": self.config.scheduler_config.max_num_batched_tokens,
             "device": device,
         }
-
-    def _capture_cuda_graphs(self) -> None:
-        """Level 2: whole-forward graphs of decode steps; with `piecewise_cudagraphs` (level >= 1)
-        also piecewise graphs for every step up to the largest size. One memory pool serves both."""
-        state = getattr(getattr(self._forward, "backend", None), "graph_state", None)
-        if not self._cudagraph_sizes or state is None:
-            return
-        from compile.cuda_graphs import DecodeCudaGraphs, PiecewiseCudaGraphs, VarlenCudaGraphs
-
-        layers = self.model.attention_layers()
-        pool = torch.cuda.graph_pool_handle()
-        start = time.perf_counter()
-        # What a full graph's buffers and attention launch are sized for; one pool for all.
-        full = {
-            "max_blocks_per_req": -(-self.max_model_len // self.block_size),
-            "max_seq_len": self.max_model_len,
-            "device": self.device,
-            "pool": pool,
-        }
-        if self._decode_graph_sizes:
-            decode = DecodeCudaGraphs(self._forward, self._decode_graph_sizes, **full)
-            decode.capture(self.attn_backend, layers)
-            self._decode_graphs = decode
-        if self._verify_graph_sizes:
-            verify = VarlenCudaGraphs(self._forward, self._verify_graph_sizes, **full,
-                                      query_len=self._verify_query_len,
-                                      block_size=self.block_size)  # fmt: skip
-            verify.capture(self.attn_backend, layers)
-            self._verify_graphs = verify
-        if self._piecewise_graph_sizes:
-            piecewise = PiecewiseCudaGraphs(
-                self._forward, state, self._piecewise_graph_sizes, self.device, pool=pool
-            )
-            piecewise.capture(self.attn_backend, layers)
-            self._piecewise_graphs = piecewise
-        self.startup_s["graph capture"] = time.perf_counter() - start
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -546,7 +413,7 @@ class ModelRunner:
         kernel writes them with the rest; the other paths scatter them into input_ids first."""
         input_ids, positions, metadata = inputs.input_ids, inputs.positions, inputs.metadata
         pending = self._pending
-        decode = self._decode_graphs
+        decode = self.graphs.decode
         if decode is not None and decode.can_run(metadata):
             feed = None
             if inputs.feed_dst is not None:
@@ -558,11 +425,11 @@ class ModelRunner:
             input_ids.index_copy_(
                 0, inputs.feed_dst, pending.device_ids.index_select(0, inputs.feed_src)
             )
-        verify = self._verify_graphs
+        verify = self.graphs.verify
         if verify is not None and verify.can_run(metadata):
             return verify.run(input_ids, positions, metadata)
         layers = self.model.attention_layers()
-        piecewise = self._piecewise_graphs
+        piecewise = self.graphs.piecewise
         if piecewise is not None and piecewise.can_run(metadata):
             return piecewise.run(input_ids, positions, metadata, self.attn_backend, layers)
         with set_forward_context(metadata, self.attn_backend, layers):
