@@ -52,3 +52,25 @@ def test_streaming_holds_back_only_a_possible_tag():
     assert qwen.feed("<thi") == ("", "")  # may open the block
     assert qwen.feed("nk>why") == ("why", "")
     assert REASONING_PARSERS["qwen3"]().feed("Hello") == ("", "Hello")
+
+
+# (parser, pieces of (text, token ids), reasoning tokens); the end tag is token 99.
+TOKEN_CASES = [
+    ("deepseek_r1", [("a", [1]), ("b", [2]), ("</think>", [99]), ("x", [3])], 3),
+    ("deepseek_r1", [("ab", [1, 2]), ("c</think>x", [3, 99, 4])], 4),  # the closing piece cut
+    ("deepseek_r1", [("</th", [7]), ("ink>", [8]), ("x", [3])], 2),  # a tag of two other tokens
+    ("deepseek_r1", [("<th", [5])], 1),  # cut undecided: reasoning
+    ("deepseek_r1", [("a", [1]), ("b", [2])], 2),  # never closed: all
+    ("qwen3", [("<th", [5]), ("ink>", [6]), ("a", [1]), ("</think>", [99]), ("b", [2])], 4),
+    ("qwen3", [(" ", [9]), ("<t", [5]), ("x", [3]), ("y", [4])], 0),  # no <think>: none
+    ("qwen3", [("<think>a</think>b", [5, 1, 99, 2])], 3),
+]
+
+
+@pytest.mark.parametrize(("parser", "pieces", "expected"), TOKEN_CASES)
+def test_the_reasoning_tokens_are_counted(parser, pieces, expected):
+    streamer = REASONING_PARSERS[parser](end_ids=[99])
+    for text, ids in pieces:
+        streamer.feed(text, ids)
+    streamer.finish()
+    assert streamer.reasoning_tokens == expected

@@ -83,13 +83,27 @@ def _streamed(client, **kwargs):
     return chunks, reasoning, content
 
 
+def _reasoning_tokens(usage):
+    return usage.completion_tokens_details.reasoning_tokens
+
+
 def test_the_reasoning_is_split_off_whole_and_streamed(client):
     forced = {"structured_outputs": {"regex": THINK}}
-    message = _create(client, extra_body=forced).choices[0].message
+    response = _create(client, extra_body=forced, logprobs=True)
+    message = response.choices[0].message
     assert re.fullmatch(r"[a-z ]{4,40}", message.reasoning_content), message
     assert re.fullmatch(r"The answer is [0-9]\.", message.content), message
+    # usage counts the tokens up to and with the one that completes </think>.
+    pieces = [t.token for t in response.choices[0].logprobs.content]
+    written = ["".join(pieces[: i + 1]) for i in range(len(pieces))]
+    upto_end = next(i + 1 for i, text in enumerate(written) if "</think>" in text)
+    assert 4 < upto_end < response.usage.completion_tokens
+    assert _reasoning_tokens(response.usage) == upto_end
     chunks, reasoning, content = _streamed(client, extra_body=forced)
     assert (reasoning, content) == (message.reasoning_content, message.content)
+    last = list(_create(client, stream=True, extra_body=forced,
+                        stream_options={"include_usage": True}))[-1]  # fmt: skip
+    assert _reasoning_tokens(last.usage) == upto_end
     hidden = {**forced, "include_reasoning": False}
     plain = _create(client, extra_body=hidden).choices[0].message
     assert (plain.reasoning_content, plain.content) == (None, message.content)
@@ -105,8 +119,10 @@ def test_the_reasoning_is_split_off_whole_and_streamed(client):
 
 def test_without_the_opening_tag_all_is_content(client):
     """qwen3: an output that does not open <think> (thinking off) is all content."""
-    message = _create(client, max_tokens=16).choices[0].message
+    response = _create(client, max_tokens=16)
+    message = response.choices[0].message
     assert message.content and message.reasoning_content is None
+    assert _reasoning_tokens(response.usage) == 0
     _, reasoning, content = _streamed(client, max_tokens=16)
     assert (reasoning, content) == ("", message.content)
 
@@ -114,8 +130,10 @@ def test_without_the_opening_tag_all_is_content(client):
 def test_an_output_without_the_closing_tag_is_all_reasoning(r1_client):
     """deepseek_r1: the template opens the block in the prompt, so until </think> the output
     is reasoning (here the whole output, which never closes it)."""
-    message = _create(r1_client, max_tokens=16).choices[0].message
+    response = _create(r1_client, max_tokens=16)
+    message = response.choices[0].message
     assert message.reasoning_content and message.content is None
+    assert _reasoning_tokens(response.usage) == response.usage.completion_tokens == 16
     _, reasoning, content = _streamed(r1_client, max_tokens=16)
     assert (reasoning, content) == (message.reasoning_content, "")
 

@@ -371,11 +371,17 @@ class PromptTokensDetails(ResponseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(ResponseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(ResponseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
+    """With a reasoning parser: the completion's tokens that are reasoning."""
 
 
 class CompletionLogprobs(ResponseModel):

@@ -17,10 +17,15 @@ or a closed prompt) is read the `qwen3` way: reasoning only where the constraint
 `<think>`, so a JSON answer stays content.
 
 Both stream: a streamer holds back only what may be the start of a tag, so the reasoning and the
-content go out as they are written, and a whole output fed at once gives the same split.
+content go out as they are written, and a whole output fed at once gives the same split. Fed the
+tokens with the text, a streamer also counts the reasoning's tokens (`usage.
+completion_tokens_details.reasoning_tokens`): the tokens of every piece inside the block, the end
+tag's with them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from v1_engine.entrypoints.json_stream import partial_suffix
 
@@ -32,14 +37,48 @@ class ReasoningStreamer:
     opens_in_prompt = True
     """Whether the output is reasoning from its first token (the template opened the block)."""
 
-    def __init__(self, constrained: bool = False) -> None:
+    def __init__(self, constrained: bool = False, end_ids: Sequence[int] = ()) -> None:
         if constrained:
             self.opens_in_prompt = False
         self._buffer = ""
         self._state = "start"
         """"start" (leading text undecided), "reasoning", or "content"."""
+        self._end_ids = list(end_ids)
+        """The end tag's token ids: where a piece that closes the block stops counting."""
+        self.reasoning_tokens = 0
+        """Tokens of the reasoning fed so far, the end tag's included."""
+        self._undecided_tokens = 0
+        """Tokens fed while the leading text is undecided ("start")."""
+        self._closed_now = False
+        """Whether the last piece closed the block."""
 
-    def feed(self, text: str) -> tuple[str, str]:
+    def feed(self, text: str, token_ids: Sequence[int] = ()) -> tuple[str, str]:
+        """The (reasoning, content) of the next piece of text; `token_ids`, the tokens it was
+        decoded from, are counted into `reasoning_tokens` where they are reasoning."""
+        before = self._state
+        reasoning, content = self._split(text)
+        if self._state == "start":
+            self._undecided_tokens += len(token_ids)
+        elif self._state == "reasoning":
+            self.reasoning_tokens += self._undecided_tokens + len(token_ids)
+            self._undecided_tokens = 0
+        elif before != "content":
+            if reasoning or self._closed_now:
+                self.reasoning_tokens += self._undecided_tokens + self._to_end(token_ids)
+            self._undecided_tokens = 0
+        return reasoning, content
+
+    def _to_end(self, token_ids: Sequence[int]) -> int:
+        """How many of the closing piece's tokens are reasoning: up to and with the end tag's
+        where they are among them (all of them otherwise)."""
+        ids, end = list(token_ids), self._end_ids
+        for i in range(len(ids) - len(end) + 1 if end else 0):
+            if ids[i : i + len(end)] == end:
+                return i + len(end)
+        return len(ids)
+
+    def _split(self, text: str) -> tuple[str, str]:
+        self._closed_now = False
         self._buffer += text
         reasoning = ""
         if self._state == "start":
@@ -61,6 +100,7 @@ class ReasoningStreamer:
             reasoning = self._buffer[:end]
             self._buffer = self._buffer[end + len(self.END) :]
             self._state = "content"
+            self._closed_now = True
         content, self._buffer = self._buffer, ""
         return reasoning, content
 
@@ -68,6 +108,8 @@ class ReasoningStreamer:
         """The end of the output: what was held back."""
         text, self._buffer = self._buffer, ""
         if self._state == "reasoning" or (self._state == "start" and self.opens_in_prompt):
+            self.reasoning_tokens += self._undecided_tokens
+            self._undecided_tokens = 0
             return text, ""
         return "", text
 

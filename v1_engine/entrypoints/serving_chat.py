@@ -27,6 +27,7 @@ from v1_engine.entrypoints.protocol_openai import (
     ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
+    CompletionTokensDetails,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
@@ -80,12 +81,20 @@ class ChatUsage:
         self.cached_tokens = output.num_cached_tokens
         self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
 
-    def usage(self) -> UsageInfo:
+    def usage(self, states: list[ChatChoiceState]) -> UsageInfo:
+        """The usage so far; with a reasoning parser (the choices' reasoners), the reasoning's
+        tokens too."""
+        reasoners = [s.reasoner for s in states if s.reasoner is not None]
+        details = None
+        if reasoners:
+            reasoning = sum(r.reasoning_tokens for r in reasoners)
+            details = CompletionTokensDetails(reasoning_tokens=reasoning)
         return UsageInfo(
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             total_tokens=self.prompt_tokens + self.completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+            completion_tokens_details=details,
         )
 
 
@@ -165,7 +174,12 @@ class OpenAIServingChat(OpenAIServing):
                 structured = msgspec.structs.replace(structured, reasoning_end=end)
                 params = msgspec.structs.replace(params, structured_outputs=structured)
         constrained = structured is not None and structured.reasoning_end is None
-        plan = dataclasses.replace(plan, reasoning=self.reasoning_parser, constrained=constrained)
+        plan = dataclasses.replace(
+            plan,
+            reasoning=self.reasoning_parser,
+            constrained=constrained,
+            reasoning_end_ids=tuple(self._reasoning_tags[1]),
+        )
         return plan, params
 
     def _fold(
@@ -197,7 +211,9 @@ class OpenAIServingChat(OpenAIServing):
         async for output in self.stream_outputs(token_ids, params, request_id):
             usage.observe(output)
             for completion in output.outputs:
-                self._fold(body, states[completion.index], completion)
+                state = states[completion.index]
+                self._fold(body, state, completion)
+                _split_reasoning(plan, state, completion)  # counts the reasoning's tokens
         choices = []
         for i, s in enumerate(states):
             message, finish_reason = _message(plan, s)
@@ -211,7 +227,10 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         return ChatCompletionResponse(
-            id=response_id, model=self.served_model_name, choices=choices, usage=usage.usage()
+            id=response_id,
+            model=self.served_model_name,
+            choices=choices,
+            usage=usage.usage(states),
         )
 
     async def _stream(
@@ -234,7 +253,7 @@ class OpenAIServingChat(OpenAIServing):
                     id=response_id,
                     model=self.served_model_name,
                     choices=[choice],
-                    usage=usage.usage() if continuous else None,
+                    usage=usage.usage(states) if continuous else None,
                 )
             )
 
@@ -289,7 +308,7 @@ class OpenAIServingChat(OpenAIServing):
                         id=response_id,
                         model=self.served_model_name,
                         choices=[],
-                        usage=usage.usage(),
+                        usage=usage.usage(states),
                     )
                 )
         except APIError as e:
@@ -309,12 +328,13 @@ def _last_index(tokens: list[int], seq: list[int]) -> int:
 def _split_reasoning(
     plan: ToolPlan, state: ChatChoiceState, completion: CompletionOutput
 ) -> tuple[str, str]:
-    """Streaming: the (reasoning, answer) pieces of a choice's new text."""
+    """The (reasoning, answer) pieces of a choice's new text (streaming; whole replies feed it
+    too, as the choice's reasoner counts the reasoning's tokens)."""
     if plan.reasoning is None:
         return "", completion.text
     if state.reasoner is None:
-        state.reasoner = REASONING_PARSERS[plan.reasoning](plan.constrained)
-    reasoning, text = state.reasoner.feed(completion.text)
+        state.reasoner = REASONING_PARSERS[plan.reasoning](plan.constrained, plan.reasoning_end_ids)
+    reasoning, text = state.reasoner.feed(completion.text, completion.token_ids)
     if completion.finish_reason is not None:
         more_reasoning, more_text = state.reasoner.finish()
         reasoning, text = reasoning + more_reasoning, text + more_text

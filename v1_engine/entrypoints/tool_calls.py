@@ -39,6 +39,8 @@ class ToolPlan:
     """Whether structured outputs constrain the output from its first token."""
     include_reasoning: bool = True
     """Whether the reasoning split off is sent (`reasoning_content`)."""
+    reasoning_end_ids: tuple[int, ...] = ()
+    """The reasoning's end tag as token ids (where its token count stops)."""
 
 
 def plan_tools(body: ChatCompletionRequest, parser: str | None = None) -> ToolPlan:
