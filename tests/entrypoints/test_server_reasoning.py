@@ -51,7 +51,8 @@ TEMPLATE = (
 def r1_client(tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "chat_template.jinja"
     template.write_text(TEMPLATE)
-    with running_server("--reasoning-parser", "deepseek_r1", "--chat-template", str(template)) as s:
+    with running_server("--reasoning-parser", "deepseek_r1", "--chat-template", str(template),
+                        "--trust-request-chat-template") as s:  # fmt: skip
         yield openai.OpenAI(base_url=f"{s.url}/v1", api_key=API_KEY, max_retries=0)
 
 
@@ -67,6 +68,36 @@ def test_the_chat_template_flag_replaces_the_models(r1_client, client):
 
     assert prompt(r1_client).startswith("<|im_start|>system\nYou are a careful assistant.")
     assert "careful" not in prompt(client)  # the other server keeps the model's template
+
+
+REQUEST_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+
+
+def _post(client, path, body):
+    url = str(client.base_url).removesuffix("/v1/")
+    return httpx.post(f"{url}{path}", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+
+
+def test_a_request_brings_its_chat_template_where_the_server_trusts_it(r1_client, client):
+    body = {"messages": ASK, "chat_template": REQUEST_TEMPLATE}
+    tokens = _post(r1_client, "/tokenize", body).json()["tokens"]
+    prompt = _post(r1_client, "/detokenize", {"tokens": tokens}).json()["prompt"]
+    assert prompt == "[user] What is two plus two?\n"
+    response = _create(r1_client, max_tokens=4, extra_body={"chat_template": REQUEST_TEMPLATE})
+    assert response.usage.prompt_tokens == len(tokens)
+    # Refused without --trust-request-chat-template, and a template that is not Jinja text.
+    for c, template, words in [
+        (client, REQUEST_TEMPLATE, "--trust-request-chat-template"),
+        (r1_client, "/etc/hostname", "Jinja text"),
+        (r1_client, "{% for m in messages %}", "not a valid Jinja template"),
+    ]:
+        for path in ("/tokenize", "/v1/chat/completions"):
+            r = _post(c, path, {"messages": ASK, "chat_template": template, "model": None})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "chat_template" and words in error["message"], error
+    assert _create(r1_client, max_tokens=2).choices  # the server serves on
 
 
 def _create(client, **kwargs):

@@ -31,15 +31,18 @@ def load_chat_template(value: str) -> str:
     --chat-template takes it), parsed; ValueError saying what is wrong with it."""
     import os
 
-    import jinja2
-
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
-            text = f.read()
-    elif "{{" in value or "{%" in value:
-        text = value
-    else:
-        raise ValueError(f"{value!r} is neither a file nor a Jinja template")
+            return check_chat_template(f.read())
+    if "{{" in value or "{%" in value:
+        return check_chat_template(value)
+    raise ValueError(f"{value!r} is neither a file nor a Jinja template")
+
+
+def check_chat_template(text: str) -> str:
+    """`text` if it parses as a Jinja template, else a ValueError saying where it does not."""
+    import jinja2
+
     try:
         jinja2.Environment().parse(text)
     except jinja2.TemplateSyntaxError as e:

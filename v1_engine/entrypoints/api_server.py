@@ -68,18 +68,21 @@ def build_app(
     api_key: str | None = None,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """A FastAPI app serving `engine`; the model name and context length come from its config;
     `tool_call_parser` (tool_parsers.TOOL_PARSERS) enables tool_choice "auto";
-    `reasoning_parser` (reasoning_parsers.REASONING_PARSERS) splits off the reasoning."""
+    `reasoning_parser` (reasoning_parsers.REASONING_PARSERS) splits off the reasoning;
+    `trust_request_chat_template` lets chat and /tokenize requests bring a chat template."""
+    trusted = trust_request_chat_template
     mc = engine.config.model_config
     name, max_len = mc.served_model_name or str(mc.model), int(mc.max_model_len)
     state = ServerState(
         engine=engine,
         stat_logger=stat_logger,
         completion=OpenAIServingCompletion(engine, name, max_len),
-        chat=OpenAIServingChat(engine, name, max_len, tool_call_parser, reasoning_parser),
-        tokens=OpenAIServing(engine, name, max_len),
+        chat=OpenAIServingChat(engine, name, max_len, tool_call_parser, reasoning_parser, trusted),
+        tokens=OpenAIServing(engine, name, max_len, trusted),
         api_key=api_key or None,
     )
     app = FastAPI(
@@ -193,6 +196,7 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
                 body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 chat_template_kwargs=body.chat_template_kwargs,
+                chat_template=body.chat_template,
             )
         else:
             tokens = served.tokenize_prompt(body.prompt, body.add_special_tokens)
@@ -264,13 +268,21 @@ async def serve(
     log_level: str = "info",
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> int:
     """Build the engine, serve until stopped, and return the process exit code: 0 on a normal
     shutdown (SIGINT/SIGTERM), 1 if the engine core died."""
     stat_logger = PrometheusStatLogger(model_name)
     engine = engine_factory([stat_logger])
     try:
-        app = build_app(engine, stat_logger, api_key, tool_call_parser, reasoning_parser)
+        app = build_app(
+            engine,
+            stat_logger,
+            api_key,
+            tool_call_parser,
+            reasoning_parser,
+            trust_request_chat_template,
+        )
         state: ServerState = app.state.server
         state.engine_dead = asyncio.Event()
         config = uvicorn.Config(

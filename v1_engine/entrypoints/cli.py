@@ -89,6 +89,12 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
         "file's path or the Jinja text itself",
     )
     group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat_template (Jinja text) in chat and /tokenize requests; off by "
+        "default, as rendering runs the template's code in the server",
+    )
+    group.add_argument(
         "--reasoning-parser",
         default=None,
         choices=sorted(REASONING_PARSERS),
@@ -327,6 +333,7 @@ def run_server(args: argparse.Namespace) -> int:
             args.log_level,
             args.tool_call_parser,
             args.reasoning_parser,
+            args.trust_request_chat_template,
         )
     )
 

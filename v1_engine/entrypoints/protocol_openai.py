@@ -318,6 +318,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt false)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template, e.g. `{"enable_thinking": false}` (Qwen3)."""
+    chat_template: str | None = None
+    """A Jinja chat template for this request instead of the model's (refused unless the server
+    runs with --trust-request-chat-template)."""
     include_reasoning: bool = True
     """With a reasoning parser: false leaves `reasoning_content` out (the answer is the same)."""
     tools: list[ChatTool] | None = None
@@ -509,6 +512,7 @@ class TokenizeChatRequest(StrictModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
 
 
 class TokenizeResponse(ResponseModel):

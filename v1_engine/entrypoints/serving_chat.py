@@ -106,8 +106,9 @@ class OpenAIServingChat(OpenAIServing):
         max_model_len: int,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
-        super().__init__(engine, served_model_name, max_model_len)
+        super().__init__(engine, served_model_name, max_model_len, trust_request_chat_template)
         self.tool_call_parser = tool_call_parser
         """Reads the calls of tool_choice "auto" (tool_parsers.TOOL_PARSERS); None refuses it."""
         self.reasoning_parser = reasoning_parser
@@ -140,6 +141,7 @@ class OpenAIServingChat(OpenAIServing):
             tools,
             body.continue_final_message,
             body.chat_template_kwargs,
+            body.chat_template,
         )
         field_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         max_tokens = self.resolve_max_tokens(

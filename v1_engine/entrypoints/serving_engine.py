@@ -19,7 +19,11 @@ from fastapi import Request
 from jinja2 import TemplateError
 
 from v1_engine.engine.exceptions import EngineDeadError
-from v1_engine.engine.input_processor import ChatFieldError, check_chat_options
+from v1_engine.engine.input_processor import (
+    ChatFieldError,
+    check_chat_options,
+    check_chat_template,
+)
 from v1_engine.entrypoints.errors import APIError, from_value_error
 from v1_engine.outputs import RequestOutput
 from v1_engine.sampling_params import SamplingParams
@@ -62,11 +66,19 @@ SAMPLING_FIELDS = {
 class OpenAIServing:
     """Per-server state every endpoint needs: the engine, its tokenizer and the model name."""
 
-    def __init__(self, engine: Any, served_model_name: str, max_model_len: int) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        served_model_name: str,
+        max_model_len: int,
+        trust_request_chat_template: bool = False,
+    ) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.tokenizer = engine.get_tokenizer()
+        self.trust_request_chat_template = trust_request_chat_template
+        """Whether a request may bring its own chat template (--trust-request-chat-template)."""
 
     def check_request(self, body: Any) -> None:
         """What every generation request must get right before its prompt is looked at: the
@@ -112,20 +124,25 @@ class OpenAIServing:
         tools: list[dict[str, Any]] | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[int]:
-        """The conversation through the model's chat template (with the tools, for templates
-        that render them; others ignore them), `chat_template_kwargs` as template variables."""
+        """The conversation through the model's chat template, or the request's own
+        `chat_template` where the server trusts those (with the tools, for templates that
+        render them; others ignore them), `chat_template_kwargs` as template variables."""
         try:
             kwargs = check_chat_options(
                 messages, add_generation_prompt, continue_final_message, chat_template_kwargs
             )
         except ChatFieldError as e:
             raise APIError(str(e), param=e.field) from None
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        if chat_template is not None:
+            self._check_request_template(chat_template)
+        elif getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError("this model has no chat template; use /v1/completions", param="messages")
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
+                chat_template=chat_template,
                 tools=tools,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
@@ -137,6 +154,25 @@ class OpenAIServing:
                 f"messages could not be rendered by the chat template: {e}", param="messages"
             ) from None
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _check_request_template(self, chat_template: str) -> None:
+        """A request's own chat template: refused unless the server trusts those (rendering
+        runs the template's code in the server), and it must be Jinja text (not a path)."""
+        if not self.trust_request_chat_template:
+            raise APIError(
+                "chat_template in a request is refused by this server; start it with "
+                "--trust-request-chat-template to allow one",
+                param="chat_template",
+            )
+        if "{{" not in chat_template and "{%" not in chat_template:
+            raise APIError(
+                "chat_template must be the Jinja text of a template (not a file's path)",
+                param="chat_template",
+            )
+        try:
+            check_chat_template(chat_template)
+        except ValueError as e:
+            raise APIError(f"chat_template {e}", param="chat_template") from None
 
     def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None, field: str) -> int:
         """Fit the output into the context; a request that cannot fit is the client's error."""
