@@ -61,6 +61,11 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """The token ids that end a thinking model's reasoning (`</think>`): the output is free
     until they occur in it, and the constraint holds for what follows (set by the server's
     reasoning parser, not by clients; not part of the compiled grammar)."""
+    reasoning_start: int | None = None
+    """With `reasoning_end`: the token that opens the reasoning (`<think>`) where the model may
+    or may not think (Qwen3 hybrids). The first output token may be it or one the constraint
+    allows: it opens the reasoning (free until `reasoning_end`), any other starts the
+    constrained output. None: the output is reasoning from its first token."""
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):
@@ -215,6 +220,7 @@ class RequestGrammar:
         compiled: Future,
         eos_token_id: int | None,
         reasoning_end: list[int] | None = None,
+        reasoning_start: int | None = None,
     ) -> None:
         self._compiled = compiled
         self._eos_token_id = eos_token_id
@@ -226,6 +232,8 @@ class RequestGrammar:
         """Where the constrained output starts (None while the reasoning goes on)."""
         self._searched = 0
         """Outputs searched for the end of the reasoning so far."""
+        self._opening = reasoning_start if self._reasoning_end else None
+        """The token that, as the first output, opens the reasoning (None: it is open)."""
 
     def _end_of_reasoning(self, tokens: list[int], searched: int) -> int | None:
         """The index after the first occurrence of the reasoning's end in `tokens`, searching
@@ -237,7 +245,12 @@ class RequestGrammar:
         return None
 
     def _reasoning(self, output_token_ids: list[int]) -> bool:
-        """Whether the output is still free (the reasoning has not ended in it)."""
+        """Whether the output is still free (the reasoning has not ended in it; with an opening
+        token, an empty output is free too: `fill_bitmask` gives its row)."""
+        if self.start is None and self._opening is not None and output_token_ids:
+            if output_token_ids[0] != self._opening:
+                self.start = 0  # the model did not think: constrained from its first token
+            self._opening = None
         if self.start is None:
             self.start = self._end_of_reasoning(output_token_ids, self._searched)
             self._searched = len(output_token_ids)
@@ -250,6 +263,10 @@ class RequestGrammar:
         A grammar that failed to compile (the front-end parsed it, so this is not expected)
         allows only EOS: the request ends at once, and the engine keeps serving. So does a
         matcher that has accepted its stop token (a step async scheduling planned early)."""
+        if self._may_open(output_token_ids):
+            self._first_mask(bitmask, row)
+            bitmask[row, self._opening // BITS] |= _word_bit(self._opening % BITS)  # type: ignore[operator]
+            return
         if self._reasoning(output_token_ids):
             return
         if not self._catch_up(output_token_ids):
@@ -266,6 +283,9 @@ class RequestGrammar:
         cannot sample that draft, so the verify never reads them. While the reasoning goes on
         the rows allow every token, up to the draft that ends it (valid_prefix cut the drafts
         after that one), whose next row is the grammar's first."""
+        if self._may_open(output_token_ids):  # a first token is not drafted: only its row
+            self.fill_bitmask(output_token_ids, bitmask, row)
+            return
         if self._reasoning(output_token_ids):
             end = self._end_of_reasoning(output_token_ids + drafts, len(output_token_ids))
             if end is not None:
@@ -290,6 +310,8 @@ class RequestGrammar:
         """The drafts the grammar allows after the outputs, up to the first one it refuses
         (speculative decoding does not verify what could never be kept). During the reasoning,
         the drafts up to the one that ends it."""
+        if self._may_open(output_token_ids):
+            return []
         if self._reasoning(output_token_ids):
             end = self._end_of_reasoning(output_token_ids + drafts, len(output_token_ids))
             return drafts if end is None else drafts[: end - len(output_token_ids)]
@@ -303,6 +325,10 @@ class RequestGrammar:
         if num_accepted:
             self._matcher.rollback(num_accepted)
         return drafts[:num_accepted]
+
+    def _may_open(self, output_token_ids: list[int]) -> bool:
+        """Whether the next token is the first and may open the reasoning."""
+        return self._opening is not None and self.start is None and not output_token_ids
 
     def _first_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row`: the grammar's allowed first tokens (its matcher has accepted nothing)."""

@@ -192,6 +192,38 @@ def test_the_constraint_waits_for_the_end_of_the_reasoning(compiler, default_tok
     assert allowed(bitmask, 0).nonzero().flatten().tolist() == [default_tokenizer.eos_token_id]
 
 
+def test_a_first_token_may_open_the_reasoning(compiler, default_tokenizer) -> None:
+    """With reasoning_start (Qwen3 hybrids): the first row allows the opening token besides the
+    grammar's first tokens; after it the output is free until the end, then constrained; any
+    other first token starts the constrained output at once."""
+    params = StructuredOutputsParams(choice=[" Paris", " Rome"])
+    eos, vocab = default_tokenizer.eos_token_id, compiler.vocab_size
+    (opening,) = default_tokenizer.encode("Okay", add_special_tokens=False)
+    end = default_tokenizer.encode("</think>", add_special_tokens=False)
+    paris = default_tokenizer.encode(" Paris", add_special_tokens=False)
+
+    def allowed(grammar, outputs):
+        bitmask = allocate_bitmask(1, vocab)
+        grammar.fill_bitmask(outputs, bitmask, 0)
+        return set(torch.isfinite(apply_token_bitmask(torch.zeros(1, vocab), bitmask))[0].nonzero().flatten().tolist())  # fmt: skip
+
+    def make():
+        return RequestGrammar(compiler.submit(params), eos, end, reasoning_start=opening)
+
+    first = allowed(RequestGrammar(compiler.submit(params), eos), [])
+    assert opening not in first and paris[0] in first
+    thinks = make()
+    assert allowed(thinks, []) == first | {opening}
+    assert thinks.valid_prefix([], [opening]) == []  # a first token is never drafted
+    thought = [opening, *default_tokenizer.encode(" maybe Rome", add_special_tokens=False)]
+    assert len(allowed(thinks, thought)) == vocab and thinks.start is None
+    assert allowed(thinks, thought + end) == first and thinks.start == len(thought + end)
+    assert allowed(thinks, thought + end + paris) == {eos}
+    answers = make()  # no opening token: the grammar held from the first token
+    assert allowed(answers, paris[:1]) == allowed(RequestGrammar(compiler.submit(params), eos), paris[:1])  # fmt: skip
+    assert answers.start == 0 and answers.num_accepted == 1
+
+
 def test_the_grammar_cache_is_bounded(compiler, monkeypatch) -> None:
     import v1_engine.structured_output as so
 
@@ -276,6 +308,29 @@ def test_constrained_batch_on_the_default_model(llm) -> None:
     # The same seed and spec give the same sampled object.
     (again,) = llm.generate([prompts[1]], params[1], use_tqdm=False)
     assert again.outputs[0].text == outputs[1].text
+
+
+def test_an_opening_token_frees_the_output_in_the_engine(llm) -> None:
+    """reasoning_start through the engine: a first token that opens the reasoning leaves the
+    output free (here "Okay" forced by logit_bias, again and again, which the grammar refuses
+    after it), another starts the constrained answer."""
+    tokenizer = llm.get_tokenizer()
+    (opening,) = tokenizer.encode("Okay", add_special_tokens=False)
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    choice = [" Paris", " Rome"]
+    so = StructuredOutputsParams
+    base = {"temperature": 0.0, "max_tokens": 6}
+    params = [
+        SamplingParams(**base, logit_bias={opening: 100},
+                       structured_outputs=so(choice=choice, reasoning_end=end, reasoning_start=opening)),
+        SamplingParams(**base, logit_bias={opening: 100}, structured_outputs=so(choice=choice)),
+        SamplingParams(**base, logit_bias={opening: -100},
+                       structured_outputs=so(choice=choice, reasoning_end=end, reasoning_start=opening)),
+    ]  # fmt: skip
+    prompt = "The capital of France is"
+    thinking, plain, answer = [o.outputs[0] for o in llm.generate([prompt] * 3, params, use_tqdm=False)]  # fmt: skip
+    assert thinking.token_ids == [opening] * 6 and thinking.finish_reason == "length"
+    assert plain.text in choice and answer.text in choice and answer.finish_reason == "stop"
 
 
 def test_constrained_requests_survive_chunked_prefill_and_preemption(llm) -> None:

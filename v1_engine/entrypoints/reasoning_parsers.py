@@ -10,11 +10,14 @@
   otherwise (thinking turned off, `chat_template_kwargs: {"enable_thinking": false}`) all of it
   is content.
 
-With `deepseek_r1`, a request's constraint (structured outputs, a forced tool call) holds from
-the `</think>` on: the model reasons freely first (`StructuredOutputsParams.reasoning_end`),
-unless the prompt closed the block already. An output constrained from its first token (`qwen3`,
-or a closed prompt) is read the `qwen3` way: reasoning only where the constraint made it open
-`<think>`, so a JSON answer stays content.
+A request's constraint (structured outputs, a forced tool call) holds from the `</think>` on,
+so the model reasons freely first (`StructuredOutputsParams.reasoning_end`), unless the prompt
+closed the block already: with `deepseek_r1` from the first token on; with `qwen3` where the
+first token is `<think>` (`reasoning_start`: that row allows it besides the constraint's first
+tokens; any other first token starts the constrained answer), if the tokenizer has it as one
+token, else the constraint holds from the first token. An output constrained from its first
+token is read the `qwen3` way: reasoning only where the constraint made it open `<think>`, so a
+JSON answer stays content.
 
 Both stream: a streamer holds back only what may be the start of a tag, so the reasoning and the
 content go out as they are written, and a whole output fed at once gives the same split. Fed the

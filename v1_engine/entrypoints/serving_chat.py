@@ -165,16 +165,22 @@ class OpenAIServingChat(OpenAIServing):
         self, plan: ToolPlan, token_ids: list[int], params: SamplingParams
     ) -> tuple[ToolPlan, SamplingParams]:
         """The plan with the reasoning split, and the params whose constraint (structured
-        outputs, a forced call) waits for the reasoning's end where the model reasons from its
-        first token (deepseek_r1, unless the prompt closed the block already)."""
+        outputs, a forced call) waits for the reasoning's end, unless the prompt closed the
+        block already: from the first token on where the model reasons from there
+        (deepseek_r1), from an opening `<think>` as the first token where it may (qwen3, when
+        the tag is one token; otherwise the constraint holds from the first token)."""
         assert self.reasoning_parser is not None
         reasoner = REASONING_PARSERS[self.reasoning_parser]
         structured = params.structured_outputs
-        if structured is not None and reasoner.opens_in_prompt:
-            start, end = self._reasoning_tags
-            if _last_index(token_ids, end) <= _last_index(token_ids, start):
+        start, end = self._reasoning_tags
+        if structured is not None and _last_index(token_ids, end) <= _last_index(token_ids, start):
+            if reasoner.opens_in_prompt:
                 structured = msgspec.structs.replace(structured, reasoning_end=end)
-                params = msgspec.structs.replace(params, structured_outputs=structured)
+            elif len(start) == 1:
+                structured = msgspec.structs.replace(
+                    structured, reasoning_end=end, reasoning_start=start[0]
+                )
+            params = msgspec.structs.replace(params, structured_outputs=structured)
         constrained = structured is not None and structured.reasoning_end is None
         plan = dataclasses.replace(
             plan,

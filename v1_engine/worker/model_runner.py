@@ -459,7 +459,12 @@ class ModelRunner:
         if params.structured_outputs is None:
             return None
         structured = params.structured_outputs
-        return RequestGrammar(self.submit_grammar(structured), eos_token_id, structured.reasoning_end)  # fmt: skip
+        return RequestGrammar(
+            self.submit_grammar(structured),
+            eos_token_id,
+            structured.reasoning_end,
+            structured.reasoning_start,
+        )
 
     def _sampling_metadata(
         self, states: list[CachedRequestState], drafts: list[list[int]] | None = None
