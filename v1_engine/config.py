@@ -57,6 +57,11 @@ class ModelConfig:
     every logit with FP8 error. "auto": "fp8_rescored" on CUDA with FP8 linear layers
     (quantization="fp8" or an FP8 checkpoint) and an LMHead whose vocabulary is a multiple of
     16, else "none"."""
+    generation_config: str = "auto"
+    """"auto": the model's generation_config.json gives the EOS ids to stop on and the default
+    sampling of requests that leave it unset; "vllm": the engine's defaults only (the EOS ids
+    still count); or a folder whose generation_config.json is read instead
+    (models/generation_config.py)."""
 
     def verify(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -72,6 +77,10 @@ class ModelConfig:
                 f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}"
             )
         check_lm_head_quantization(self.lm_head_quantization)
+        if self.generation_config not in ("auto", "vllm"):
+            from v1_engine.models.generation_config import generation_config_folder
+
+            generation_config_folder(self.generation_config, "")
 
 
 def check_lm_head_quantization(choice: str) -> None:

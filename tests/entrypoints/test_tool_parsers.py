@@ -155,11 +155,11 @@ def test_parsers_whose_markers_are_special_tokens_keep_them_in_the_text():
     body = ChatCompletionRequest(
         model="m", messages=[{"role": "user", "content": "hi"}], tools=tools
     )
-    assert body.to_sampling_params(16, "mistral").skip_special_tokens is False
-    assert body.to_sampling_params(16, "deepseek_v3").skip_special_tokens is False
-    assert body.to_sampling_params(16, "hermes").skip_special_tokens is True
+    assert body.to_sampling_params(16, tool_call_parser="mistral").skip_special_tokens is False
+    assert body.to_sampling_params(16, tool_call_parser="deepseek_v3").skip_special_tokens is False
+    assert body.to_sampling_params(16, tool_call_parser="hermes").skip_special_tokens is True
     no_tools = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
-    assert no_tools.to_sampling_params(16, "mistral").skip_special_tokens is True
+    assert no_tools.to_sampling_params(16, tool_call_parser="mistral").skip_special_tokens is True
 
 
 STREAMED_ARGUMENTS = [

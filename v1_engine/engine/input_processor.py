@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from v1_engine.config import EngineConfig
+from v1_engine.models.generation_config import load_generation_defaults
 from v1_engine.protocol import EngineCoreRequest
 from v1_engine.sampling_params import SamplingParams
 
@@ -98,10 +99,27 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = config.model_config.max_model_len
         self.max_logprobs = config.model_config.max_logprobs
+        mc = config.model_config
+        self.generation = load_generation_defaults(mc.generation_config, str(mc.model))
+        """The model's generation_config.json: EOS ids and default sampling."""
+        self._extra_eos_ids = [i for i in self.generation.eos_token_ids if i != self.eos_token_id]
+        """EOS ids besides the tokenizer's, stopped on as stop tokens (unless ignore_eos)."""
 
     @property
     def eos_token_id(self) -> int | None:
         return self.tokenizer.eos_token_id
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's recommended sampling (generation_config.json)."""
+        return SamplingParams(**self.generation.sampling)
+
+    def _with_model_eos(self, params: SamplingParams) -> SamplingParams:
+        """`params` stopping on the model's other EOS ids too (unless ignore_eos)."""
+        stops = params.stop_token_ids or []
+        extra = [i for i in self._extra_eos_ids if i not in stops]
+        if not extra or params.ignore_eos:
+            return params
+        return msgspec.structs.replace(params, stop_token_ids=[*stops, *extra])
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -191,7 +209,7 @@ class InputProcessor:
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
-            sampling_params=params,
+            sampling_params=self._with_model_eos(params),
             eos_token_id=self.eos_token_id,
             arrival_time=time.time() if arrival_time is None else arrival_time,
         )

@@ -67,6 +67,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling_params samples with: the model's recommended sampling
+        (its generation_config.json; `generation_config="vllm"`: SamplingParams())."""
+        return self.input_processor.default_sampling_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -170,12 +175,11 @@ class LLM:
         assert all(r is not None for r in results), "engine stopped with requests unfinished"
         return results  # type: ignore[return-value]
 
-    @staticmethod
     def _params_per_prompt(
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
     ) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * num_prompts
+            return [self.get_default_sampling_params()] * num_prompts
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
         if len(sampling_params) != num_prompts:

@@ -24,6 +24,7 @@ from v1_engine.config import (
 from v1_engine.engine.input_processor import load_chat_template
 from v1_engine.entrypoints.reasoning_parsers import REASONING_PARSERS
 from v1_engine.entrypoints.tool_parsers import TOOL_PARSERS
+from v1_engine.models.generation_config import generation_config_folder
 
 API_KEY_ENV = "V1ENGINE_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -238,6 +239,14 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "high-precision weight dropped); auto: fp8_rescored on CUDA with FP8 layers, else none "
         "(default: auto)",
     )
+    group.add_argument(
+        "--generation-config",
+        default="auto",
+        help="auto: the model's generation_config.json sets the default sampling (temperature, "
+        "top_p, top_k, min_p, repetition_penalty, max_new_tokens) of requests that leave it "
+        "unset; vllm: the engine's defaults; or a folder holding a generation_config.json. The "
+        "file's EOS ids are stopped on either way (default: auto)",
+    )
 
 
 def compilation_value(text: str) -> int | dict[str, Any]:
@@ -270,6 +279,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "load_format": args.load_format,
         "lm_head_quantization": args.lm_head_quantization,
+        "generation_config": args.generation_config,
         "served_model_name": served_model_name(args),
     }
     optional = (
@@ -355,6 +365,10 @@ def main(argv: list[str] | None = None) -> None:
             load_chat_template(args.chat_template)
         except (OSError, ValueError) as e:
             parser.error(f"--chat-template {e}")
+    try:
+        generation_config_folder(args.generation_config, "")
+    except ValueError as e:
+        parser.error(f"--generation-config: {e}")
     if args.log_stats_interval <= 0:
         parser.error(f"--log-stats-interval must be > 0, got {args.log_stats_interval}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

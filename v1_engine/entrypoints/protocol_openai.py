@@ -100,8 +100,9 @@ class SamplingFields(StrictModel):
     user: str | None = None
     """Accepted for compatibility; not used."""
 
-    def base_sampling_kwargs(self) -> dict[str, Any]:
-        """The SamplingParams fields the client set; unset ones keep SamplingParams' defaults."""
+    def base_sampling_kwargs(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The SamplingParams fields the client set; unset ones take `defaults` (the model's
+        recommended sampling) or else keep SamplingParams' defaults."""
         names = (
             "temperature",
             "top_p",
@@ -112,9 +113,8 @@ class SamplingFields(StrictModel):
             "frequency_penalty",
             "repetition_penalty",
         )
-        kwargs: dict[str, Any] = {
-            k: getattr(self, k) for k in names if getattr(self, k) is not None
-        }
+        kwargs: dict[str, Any] = {k: v for k, v in (defaults or {}).items() if k in names}
+        kwargs.update((k, getattr(self, k)) for k in names if getattr(self, k) is not None)
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         kwargs.update(
             n=self.n,
@@ -197,8 +197,10 @@ class CompletionRequest(SamplingFields):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        kwargs = self.base_sampling_kwargs()
+    def to_sampling_params(
+        self, max_tokens: int | None, defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
+        kwargs = self.base_sampling_kwargs(defaults)
         if self.echo and self.logprobs is not None:
             kwargs["prompt_logprobs"] = self.logprobs
         return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **kwargs)
@@ -340,12 +342,15 @@ class ChatCompletionRequest(SamplingFields):
         )
 
     def to_sampling_params(
-        self, max_tokens: int | None, tool_call_parser: str | None = None
+        self,
+        max_tokens: int | None,
+        defaults: dict[str, Any] | None = None,
+        tool_call_parser: str | None = None,
     ) -> SamplingParams:
         from v1_engine.entrypoints.tool_calls import plan_tools
 
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        kwargs = self.base_sampling_kwargs()
+        kwargs = self.base_sampling_kwargs(defaults)
         plan = plan_tools(self, tool_call_parser)
         if plan.structured is not None:
             if kwargs["structured_outputs"] is not None:

@@ -79,6 +79,9 @@ class OpenAIServing:
         self.tokenizer = engine.get_tokenizer()
         self.trust_request_chat_template = trust_request_chat_template
         """Whether a request may bring its own chat template (--trust-request-chat-template)."""
+        processor = getattr(engine, "input_processor", None)
+        self.default_sampling: dict[str, Any] = dict(processor.generation.sampling) if processor else {}  # fmt: skip
+        """The model's recommended sampling: what a request leaves unset takes these."""
 
     def check_request(self, body: Any) -> None:
         """What every generation request must get right before its prompt is looked at: the
@@ -185,7 +188,7 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         if requested is None:
-            return room
+            return min(room, self.default_sampling.get("max_tokens", room))
         if requested > room:
             raise APIError(
                 f"This model's maximum context length is {self.max_model_len} tokens; you "
@@ -200,7 +203,7 @@ class OpenAIServing:
         """The request's SamplingParams; a field that cannot convert (a bad JSON schema, two
         output constraints) is a 400 naming it."""
         try:
-            return body.to_sampling_params(max_tokens, **kwargs)
+            return body.to_sampling_params(max_tokens, self.default_sampling, **kwargs)
         except ValueError as e:
             raise from_value_error(e, SAMPLING_FIELDS) from None
 
