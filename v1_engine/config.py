@@ -72,6 +72,8 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATION_CHOICES}, got {self.quantization!r}"

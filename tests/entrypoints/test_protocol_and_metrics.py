@@ -111,10 +111,18 @@ def test_cli_defaults_and_flags():
             "--enforce-eager",
             "--max-num-seqs",
             "4",
+            "--tokenizer",
+            "/tok",
+            "--max-logprobs",
+            "5",
+            "--generation-config",
+            "vllm",
         ]
     )
     kwargs = engine_kwargs(args)
     assert kwargs["max_model_len"] == 512 and kwargs["max_num_seqs"] == 4
+    assert kwargs["tokenizer"] == "/tok" and kwargs["max_logprobs"] == 5
+    assert kwargs["generation_config"] == "vllm"
     assert kwargs["enable_prefix_caching"] is False and kwargs["enforce_eager"] is True
     assert kwargs["served_model_name"] == "m" and kwargs["load_format"] == "dummy"
 

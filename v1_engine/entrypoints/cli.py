@@ -132,6 +132,18 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "SmolLM2-135M-Instruct)",
     )
     group.add_argument(
+        "--tokenizer",
+        default=None,
+        help="Hugging Face tokenizer directory (default: the model's)",
+    )
+    group.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=None,
+        help="largest logprobs / top_logprobs / prompt_logprobs a request may ask for "
+        "(default: 20)",
+    )
+    group.add_argument(
         "--max-model-len",
         type=int,
         default=None,
@@ -283,6 +295,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "served_model_name": served_model_name(args),
     }
     optional = (
+        "tokenizer",
+        "max_logprobs",
         "max_model_len",
         "max_num_seqs",
         "max_num_batched_tokens",
