@@ -275,41 +275,11 @@ class OpenAIServingChat(OpenAIServing):
                 for completion in output.outputs:
                     state = states[completion.index]
                     new_logprobs = self._fold(body, state, completion)
-                    reasoning, text = _split_reasoning(plan, state, completion)
-                    if plan.mode == "required":
-                        # The calls are read from the whole array: sent when it is complete.
-                        if completion.finish_reason is None:
-                            continue
-                        delta, finish_reason = _required_delta(plan, state)
-                        new_logprobs, reasoning = state.logprobs, ""  # the delta has it all
-                    elif plan.mode == "auto":
-                        delta, finish_reason = _auto_delta(plan, state, text, completion.finish_reason)  # fmt: skip
-                        if delta is None and not new_logprobs and not reasoning:
-                            continue
-                        delta = delta or DeltaMessage()
-                    else:
-                        if (
-                            not text
-                            and not reasoning
-                            and completion.finish_reason is None
-                            and not new_logprobs
-                        ):
-                            continue
-                        delta = _text_delta(plan, state, text) if text or not reasoning else DeltaMessage()  # fmt: skip
-                        finish_reason = completion.finish_reason
-                    if reasoning:
-                        delta.reasoning_content = reasoning
-                    yield chunk(
-                        ChatStreamChoice(
-                            index=completion.index,
-                            delta=delta,
-                            logprobs=ChatChoiceLogprobs(content=new_logprobs)
-                            if body.logprobs
-                            else None,
-                            finish_reason=finish_reason,
-                            stop_reason=completion.stop_reason,
-                        )
-                    )
+                    choice = _stream_choice(plan, state, completion, new_logprobs)
+                    if choice is not None:
+                        if not body.logprobs:
+                            choice.logprobs = None
+                        yield chunk(choice)
             if options and options.include_usage:
                 yield sse(
                     ChatCompletionChunk(
@@ -322,6 +292,43 @@ class OpenAIServingChat(OpenAIServing):
         except APIError as e:
             yield sse_error(e)
         yield SSE_DONE
+
+
+def _stream_choice(
+    plan: ToolPlan,
+    state: ChatChoiceState,
+    completion: CompletionOutput,
+    new_logprobs: list[ChatTokenLogprob] | None,
+) -> ChatStreamChoice | None:
+    """A choice's next streamed chunk for its new output (None: nothing to send yet): its
+    text, reasoning and tool-call deltas as the plan reads them, the logprobs of its tokens,
+    and its finish reason once it ends."""
+    reasoning, text = _split_reasoning(plan, state, completion)
+    if plan.mode == "required":
+        # The calls are read from the whole array: sent when it is complete.
+        if completion.finish_reason is None:
+            return None
+        delta, finish_reason = _required_delta(plan, state)
+        new_logprobs, reasoning = state.logprobs, ""  # the delta has it all
+    elif plan.mode == "auto":
+        delta, finish_reason = _auto_delta(plan, state, text, completion.finish_reason)
+        if delta is None and not new_logprobs and not reasoning:
+            return None
+        delta = delta or DeltaMessage()
+    else:
+        finish_reason = completion.finish_reason
+        if not text and not reasoning and finish_reason is None and not new_logprobs:
+            return None
+        delta = _text_delta(plan, state, text) if text or not reasoning else DeltaMessage()
+    if reasoning:
+        delta.reasoning_content = reasoning
+    return ChatStreamChoice(
+        index=completion.index,
+        delta=delta,
+        logprobs=ChatChoiceLogprobs(content=new_logprobs),
+        finish_reason=finish_reason,
+        stop_reason=completion.stop_reason,
+    )
 
 
 def _last_index(tokens: list[int], seq: list[int]) -> int:
