@@ -156,6 +156,9 @@ class CacheConfig:
             )
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_batched_tokens: int | None = None
@@ -167,12 +170,21 @@ class SchedulerConfig:
     """Split prompts longer than the remaining budget across steps."""
     async_scheduling: bool | None = None
     """Schedule step N+1 while step N runs; None turns it on where supported."""
+    scheduling_policy: str = "fcfs"
+    """"fcfs": requests run in arrival order. "priority": by each request's `priority` (lower
+    first, ties by arrival), both in admission and in preemption (the lowest-priority running
+    request gives its blocks up first)."""
 
     def verify(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )
 
 
 @dataclass

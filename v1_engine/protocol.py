@@ -28,6 +28,8 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float = 0.0
+    priority: int = 0
+    """With the priority scheduling policy: lower runs sooner (ties by arrival)."""
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):

@@ -42,12 +42,14 @@ def make_scheduler(
     max_model_len: int = 1024,
     enable_prefix_caching: bool = True,
     enable_chunked_prefill: bool = True,
+    scheduling_policy: str = "fcfs",
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             enable_chunked_prefill=enable_chunked_prefill,
+            scheduling_policy=scheduling_policy,
         ),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         max_model_len=max_model_len,

@@ -169,6 +169,45 @@ def test_prefix_caching_disabled(core):
     assert scheduler.requests["b"].num_cached_tokens == 0
 
 
+# --- priority policy -------------------------------------------------------------------------
+
+
+def _prioritized(core, req_id, priority, arrival, prompt=8, **params):
+    request = core.make_request(req_id, prompt, first_token=1000 + 100 * arrival, **params)
+    request.priority, request.arrival_time = priority, float(arrival)
+    return request
+
+
+def test_priority_orders_admission_ties_by_arrival(core):
+    scheduler = core.make_scheduler(max_num_seqs=1, scheduling_policy="priority")
+    for req_id, priority, arrival in (("late", 5, 0), ("urgent", -1, 1), ("b", 0, 3), ("a", 0, 2)):
+        scheduler.add_request(_prioritized(core, req_id, priority, arrival, max_tokens=2))
+    assert [r.request_id for r in scheduler.waiting] == ["urgent", "a", "b", "late"]
+    transcript = core.run_to_completion(scheduler, core.FakeRunner())
+    admitted = [new.req_id for s, _ in transcript.steps for new in s.scheduled_new_reqs]
+    assert admitted == ["urgent", "a", "b", "late"]
+    fcfs = core.make_scheduler(max_num_seqs=1)
+    for req_id, priority, arrival in (("late", 5, 0), ("urgent", -1, 1)):
+        fcfs.add_request(_prioritized(core, req_id, priority, arrival, max_tokens=2))
+    assert [r.request_id for r in fcfs.waiting] == ["late", "urgent"]  # fcfs ignores it
+
+
+def test_priority_preempts_the_least_urgent_running_request(core):
+    # 6 blocks of 4 tokens; each request grows to 4 blocks: one must give way.
+    def victims(policy):
+        scheduler = core.make_scheduler(num_blocks=6, block_size=4, scheduling_policy=policy)
+        scheduler.add_request(_prioritized(core, "early_low", 9, 0, max_tokens=8))
+        scheduler.add_request(_prioritized(core, "late_high", 0, 1, max_tokens=8))
+        transcript = core.run_to_completion(scheduler, core.FakeRunner(block_size=4))
+        assert all(len(t) == 8 for t in transcript.tokens.values())
+        assert scheduler.kv_cache_manager.num_free_blocks == 6
+        sent_as_new = [new.req_id for s, _ in transcript.steps for new in s.scheduled_new_reqs]
+        return {r for r in sent_as_new if sent_as_new.count(r) > 1}  # preempted, then resumed
+
+    assert victims("priority") == {"early_low"}
+    assert victims("fcfs") == {"late_high"}  # the last one to arrive
+
+
 # --- preemption -------------------------------------------------------------------------------
 
 

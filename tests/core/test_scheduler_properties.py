@@ -94,10 +94,11 @@ def check_runner_view(scheduler: Scheduler, runner) -> None:
     budget=st.integers(1, 24),
     max_num_seqs=st.integers(1, 4),
     enable_prefix_caching=st.booleans(),
+    by_priority=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_random_operations_keep_block_bookkeeping_exact(
-    core, ops, num_blocks, budget, max_num_seqs, enable_prefix_caching, seed
+    core, ops, num_blocks, budget, max_num_seqs, enable_prefix_caching, by_priority, seed
 ):
     scheduler = core.make_scheduler(
         num_blocks=num_blocks,
@@ -106,6 +107,7 @@ def test_random_operations_keep_block_bookkeeping_exact(
         max_num_seqs=max_num_seqs,
         max_model_len=MAX_MODEL_LEN,
         enable_prefix_caching=enable_prefix_caching,
+        scheduling_policy="priority" if by_priority else "fcfs",
     )
     rng = random.Random(seed)
     vocab = [EOS, STOP_TOKEN] + list(range(100, 108))
@@ -137,6 +139,9 @@ def test_random_operations_keep_block_bookkeeping_exact(
                 stop_token_ids=[STOP_TOKEN],
                 prompt_logprobs=1 if prompt_logprobs else None,
             )
+            request.arrival_time = float(len(added))
+            if by_priority:
+                request.priority = rng.randint(-2, 2)
             scheduler.add_request(request)
             added[req_id] = request
         elif op[0] == "step":
@@ -148,6 +153,10 @@ def test_random_operations_keep_block_bookkeeping_exact(
             scheduler.finish_requests(f"r{index}", status)
         check_block_invariants(scheduler)
         check_scheduler_invariants(scheduler)
+        if by_priority:  # both queues in (priority, arrival) order
+            for queue in (list(scheduler.waiting), scheduler.running):
+                keys = [(r.priority, r.arrival_time) for r in queue]
+                assert keys == sorted(keys), keys
 
     # Every token is computed at least once, one budget a step; preemptions recompute some.
     work = sum(r.num_prompt_tokens + r.sampling_params.max_tokens for r in added.values())

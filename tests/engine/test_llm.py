@@ -353,3 +353,20 @@ def test_chat_with_a_template_for_the_call(llm):
         load_chat_template("chatml")
     with pytest.raises(ValueError, match="not a valid Jinja template"):
         load_chat_template("{% for m in messages %}")
+
+
+def test_priority_policy_runs_the_most_urgent_first(llm):
+    """One request at a time: they start in priority order (lower first), not in prompt
+    order; the fcfs engine refuses a priority by name."""
+    llm_by_priority = LLM(max_model_len=512, num_kv_blocks=256, max_num_seqs=1,
+                          scheduling_policy="priority")  # fmt: skip
+    prompts = ["one", "two", "three", "four"]
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    outputs = llm_by_priority.generate(prompts, params, use_tqdm=False, priority=[3, -1, 2, 0])
+    started = sorted(range(4), key=lambda i: outputs[i].metrics.first_scheduled_time)
+    assert started == [1, 3, 2, 0]
+    assert [o.prompt for o in outputs] == prompts  # outputs still in prompt order
+    with pytest.raises(ValueError, match=r"prompts\[0\]: priority must be 0 under the 'fcfs'"):
+        llm.generate(prompts[:1], params, use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="priority must hold one int per prompt"):
+        llm.generate(prompts, params, use_tqdm=False, priority=[0])

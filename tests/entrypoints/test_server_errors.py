@@ -65,6 +65,9 @@ def test_non_finite_temperature(server, auth_headers, value):
         ({"prompt": PROMPT, "allowed_token_ids": []}, "allowed_token_ids"),
         ({"prompt": PROMPT, "top_k": 10**30}, "top_k"),
         ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream_options"),
+        # The default fcfs policy has no use for a priority.
+        ({"prompt": PROMPT, "priority": 3}, "priority"),
+        ({"prompt": PROMPT, "priority": 3, "stream": True}, "priority"),
         # Past the vocabulary: once an engine-killing IndexError in the sampler.
         ({"prompt": PROMPT, "stop_token_ids": [99999999], "min_tokens": 2}, "stop_token_ids"),
         (

@@ -44,12 +44,15 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None = None,
         arrival_time: float = 0.0,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
+        self.priority = priority
+        """Lower runs sooner under the priority policy (ties by arrival)."""
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -84,6 +87,7 @@ class Request:
             sampling_params=request.sampling_params,
             eos_token_id=request.eos_token_id,
             arrival_time=request.arrival_time,
+            priority=request.priority,
         )
 
     @property

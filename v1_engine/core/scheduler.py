@@ -4,7 +4,9 @@ One rule, no phases: every request is granted up to `num_tokens - num_computed_t
 within the step's token budget, `max_num_seqs` and the free KV blocks. Running requests go
 first, in order; then waiting requests, first come first served. A running request that cannot
 get blocks preempts the last running request (recompute: its KV is dropped, it waits again at
-the front of the queue).
+the front of the queue). With the "priority" policy both queues are kept in (priority, arrival)
+order instead, so the most urgent requests are admitted first and the least urgent running one
+is preempted first.
 
 `num_computed_tokens` advances in `schedule()`, when tokens are granted, not when the step's
 output arrives: the next step can then be scheduled before this one finishes.
@@ -58,6 +60,7 @@ class Scheduler:
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.max_model_len = max_model_len
         self.async_scheduling = async_scheduling
+        self.by_priority = scheduler_config.scheduling_policy == "priority"
         self.kv_cache_manager = KVCacheManager(
             num_blocks=num_kv_blocks,
             block_size=cache_config.block_size,
@@ -83,7 +86,10 @@ class Scheduler:
                 f"got {request.num_prompt_tokens}"
             )
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.by_priority:
+            _insert_in_order(self.waiting, request)
+        else:
+            self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
         """Grant tokens for one step; requests preempted here are in its finished_req_ids."""
@@ -282,7 +288,10 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0
         request.spec_token_ids = []
-        self.waiting.appendleft(request)
+        if self.by_priority:
+            _insert_in_order(self.waiting, request)
+        else:
+            self.waiting.appendleft(request)
         self.finished_req_ids.add(request.request_id)
         self._num_preempted_since_stats += 1
 
@@ -311,7 +320,10 @@ class Scheduler:
             if kv.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens) is None:
                 return
             self.waiting.popleft()
-            self.running.append(request)
+            if self.by_priority:
+                _insert_in_order(self.running, request)
+            else:
+                self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
@@ -375,6 +387,15 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+
+
+def _insert_in_order(queue: deque[Request] | list[Request], request: Request) -> None:
+    """Insert `request` after every request of the same or a more urgent (priority, arrival)."""
+    key = (request.priority, request.arrival_time)
+    index = len(queue)
+    while index > 0 and (queue[index - 1].priority, queue[index - 1].arrival_time) > key:
+        index -= 1
+    queue.insert(index, request)
 
 
 @dataclass

@@ -101,13 +101,16 @@ class AsyncEngine:
         prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs as they come: each holds only the new text / tokens of
         one completion (`outputs[0].index` tells which when n > 1); the last has
-        `finished=True`. A prompt that fails validation raises ValueError here, alone."""
+        `finished=True`. A prompt that fails validation raises ValueError here, alone. Without
+        sampling_params, the model's recommended sampling (LLM.get_default_sampling_params);
+        `priority` orders requests under the priority scheduling policy (lower first)."""
         self._raise_if_dead()
         prompt_text, token_ids = self.input_processor.tokenize(prompt)
-        outputs = self._generate(prompt_text, token_ids, sampling_params, request_id)
+        outputs = self._generate(prompt_text, token_ids, sampling_params, request_id, priority)
         async with contextlib.aclosing(outputs):  # closing us must close it (and abort) now
             async for output in outputs:
                 yield output
@@ -122,6 +125,7 @@ class AsyncEngine:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Like generate(), for a conversation rendered with the model's chat template (with
         `tools`, OpenAI function tools, for templates that render them; LLM.chat says what the
@@ -135,7 +139,7 @@ class AsyncEngine:
             chat_template_kwargs,
             chat_template,
         )
-        outputs = self._generate(prompt_text, token_ids, sampling_params, request_id)
+        outputs = self._generate(prompt_text, token_ids, sampling_params, request_id, priority)
         async with contextlib.aclosing(outputs):  # closing us must close it (and abort) now
             async for output in outputs:
                 yield output
@@ -189,10 +193,12 @@ class AsyncEngine:
         token_ids: list[int],
         sampling_params: SamplingParams | None,
         request_id: str | None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
-        params = SamplingParams() if sampling_params is None else sampling_params
+        processor = self.input_processor
+        params = processor.default_sampling_params() if sampling_params is None else sampling_params
         request_id = uuid.uuid4().hex if request_id is None else request_id
-        core_requests = self.input_processor.process_fan_out(request_id, token_ids, params)
+        core_requests = processor.process_fan_out(request_id, token_ids, params, priority=priority)
         stream = self._register(request_id, prompt, core_requests, params.n)
         finished = False
         try:

@@ -204,15 +204,30 @@ class InputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> EngineCoreRequest:
         self.validate(prompt_token_ids, params)
+        self.check_priority(priority)
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=self._with_model_eos(params),
             eos_token_id=self.eos_token_id,
             arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
         )
+
+    def check_priority(self, priority: int) -> None:
+        """A request's priority: an int, other than 0 only under the priority policy."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")  # noqa: TRY004
+        policy = self.config.scheduler_config.scheduling_policy
+        if priority != 0 and policy != "priority":
+            raise ValueError(
+                f"priority must be 0 under the {policy!r} scheduling policy, got {priority}; "
+                "start the engine with scheduling_policy='priority' (--scheduling-policy "
+                "priority) to order requests by it"
+            )
 
     def process_fan_out(
         self,
@@ -220,18 +235,24 @@ class InputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> list[EngineCoreRequest]:
         """One core request when n == 1; otherwise n children `{request_id}_{index}`.
 
         Everything is validated before anything is built, so a bad request adds nothing.
         """
         self.validate(prompt_token_ids, params)
+        self.check_priority(priority)
         if params.n == 1:
-            return [self.process(request_id, prompt_token_ids, params, arrival_time)]
+            return [self.process(request_id, prompt_token_ids, params, arrival_time, priority)]
         arrival_time = time.time() if arrival_time is None else arrival_time
         return [
             self.process(
-                f"{request_id}_{index}", prompt_token_ids, child_params(params, index), arrival_time
+                f"{request_id}_{index}",
+                prompt_token_ids,
+                child_params(params, index),
+                arrival_time,
+                priority,
             )
             for index in range(params.n)
         ]

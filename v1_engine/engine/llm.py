@@ -77,8 +77,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Prompts are a str, a list of str, or a list of token-id lists; outputs keep order."""
+        """Prompts are a str, a list of str, or a list of token-id lists; outputs keep order.
+        `priority`, one int per prompt, orders them under the priority scheduling policy
+        (lower first)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -89,7 +92,11 @@ class LLM:
                 tokenized.append(self.input_processor.tokenize(prompt))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
-        return self._run(tokenized, sampling_params, use_tqdm)
+        if priority is not None and len(priority) != len(tokenized):
+            raise ValueError(
+                f"priority must hold one int per prompt ({len(tokenized)}), got {len(priority)}"
+            )
+        return self._run(tokenized, sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -133,14 +140,17 @@ class LLM:
         tokenized: list[tuple[str | None, list[int]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         params_list = self._params_per_prompt(sampling_params, len(tokenized))
+        priorities = [0] * len(tokenized) if priority is None else list(priority)
         # Validate everything before adding anything: a bad prompt leaves the engine untouched.
         requests = []
         for i, ((prompt, token_ids), params) in enumerate(zip(tokenized, params_list)):
             request_id = str(next(self._request_counter))
             try:
-                requests.append((prompt, self._core_requests(request_id, token_ids, params)))
+                core = self._core_requests(request_id, token_ids, params, priorities[i])
+                requests.append((prompt, core))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
         order = {}
@@ -154,9 +164,11 @@ class LLM:
         return self._run_engine(order, use_tqdm)
 
     def _core_requests(
-        self, request_id: str, token_ids: list[int], params: SamplingParams
+        self, request_id: str, token_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> tuple[ParentRequest | None, list[EngineCoreRequest]]:
-        core_requests = self.input_processor.process_fan_out(request_id, token_ids, params)
+        core_requests = self.input_processor.process_fan_out(
+            request_id, token_ids, params, priority=priority
+        )
         parent = ParentRequest(request_id, params.n) if params.n > 1 else None
         return parent, core_requests
 

@@ -20,6 +20,7 @@ from v1_engine.config import (
     LM_HEAD_QUANTIZATION_CHOICES,
     LOAD_FORMAT_CHOICES,
     QUANTIZATION_CHOICES,
+    SCHEDULING_POLICIES,
 )
 from v1_engine.engine.input_processor import load_chat_template
 from v1_engine.entrypoints.reasoning_parsers import REASONING_PARSERS
@@ -202,6 +203,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         "CPU, where nothing can overlap)",
     )
     group.add_argument(
+        "--scheduling-policy",
+        default=None,
+        choices=SCHEDULING_POLICIES,
+        help="fcfs: requests run in arrival order; priority: by each request's priority field "
+        "(lower first, ties by arrival), in admission and preemption (default: fcfs)",
+    )
+    group.add_argument(
         "-O",
         "--compilation-config",
         dest="compilation_config",
@@ -302,6 +310,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens",
         "gpu_memory_utilization",
         "async_scheduling",
+        "scheduling_policy",
         "compilation_config",
         "speculative_config",
         "quantization",

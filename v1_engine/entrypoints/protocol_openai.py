@@ -99,6 +99,8 @@ class SamplingFields(StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     """Accepted for compatibility; not used."""
+    priority: int = 0
+    """Under --scheduling-policy priority: lower runs sooner (vLLM's extra field)."""
 
     def base_sampling_kwargs(self, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
         """The SamplingParams fields the client set; unset ones take `defaults` (the model's

@@ -216,7 +216,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse:
         states = [ChatChoiceState() for _ in range(body.n)]
         usage = ChatUsage()
-        async for output in self.stream_outputs(token_ids, params, request_id):
+        async for output in self.stream_outputs(token_ids, params, request_id, body.priority):
             usage.observe(output)
             for completion in output.outputs:
                 state = states[completion.index]
@@ -270,7 +270,7 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk(
                     ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                 )
-            async for output in self.stream_outputs(token_ids, params, request_id):
+            async for output in self.stream_outputs(token_ids, params, request_id, body.priority):
                 usage.observe(output)
                 for completion in output.outputs:
                     state = states[completion.index]

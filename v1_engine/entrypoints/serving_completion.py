@@ -105,14 +105,17 @@ class OpenAIServingCompletion(OpenAIServing):
             prepared.append(PreparedPrompt(token_ids, text, params))
         return prepared
 
-    def _streams(self, prompts: list[PreparedPrompt], request_id: str):
+    def _streams(self, prompts: list[PreparedPrompt], request_id: str, priority: int):
         ids = (
             [request_id]
             if len(prompts) == 1
             else [f"{request_id}-{i}" for i in range(len(prompts))]
         )
         return merge_streams(
-            [self.stream_outputs(p.token_ids, p.params, rid) for p, rid in zip(prompts, ids)]
+            [
+                self.stream_outputs(p.token_ids, p.params, rid, priority)
+                for p, rid in zip(prompts, ids)
+            ]
         )
 
     def _apply(
@@ -172,7 +175,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionResponse:
         choices = [ChoiceState() for _ in range(len(prompts) * body.n)]
         usage = UsageCounter()
-        async for prompt_index, output in self._streams(prompts, request_id):
+        async for prompt_index, output in self._streams(prompts, request_id, body.priority):
             usage.observe(prompt_index, output)
             for completion in output.outputs:
                 index = prompt_index * body.n + completion.index
@@ -206,7 +209,7 @@ class OpenAIServingCompletion(OpenAIServing):
         usage = UsageCounter()
         options = body.stream_options
         try:
-            async for prompt_index, output in self._streams(prompts, request_id):
+            async for prompt_index, output in self._streams(prompts, request_id, body.priority):
                 usage.observe(prompt_index, output)
                 for completion in output.outputs:
                     index = prompt_index * body.n + completion.index

@@ -85,8 +85,15 @@ class OpenAIServing:
 
     def check_request(self, body: Any) -> None:
         """What every generation request must get right before its prompt is looked at: the
-        model name, and stream_options only with stream (OpenAI's rule)."""
+        model name, a priority the scheduling policy uses, and stream_options only with stream
+        (OpenAI's rule)."""
         self.check_model(body.model)
+        processor = getattr(self.engine, "input_processor", None)
+        if processor is not None:
+            try:
+                processor.check_priority(body.priority)
+            except ValueError as e:
+                raise APIError(str(e), param="priority") from None
         if body.stream_options is not None and not body.stream:
             raise APIError(
                 "stream_options is only allowed when stream is true", param="stream_options"
@@ -220,11 +227,11 @@ class OpenAIServing:
             raise from_value_error(e, SAMPLING_FIELDS) from None
 
     async def stream_outputs(
-        self, prompt: list[int], params: SamplingParams, request_id: str
+        self, prompt: list[int], params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Yield the engine's delta outputs; abort the request if we stop before it finishes."""
         finished = False
-        generator = self.engine.generate(prompt, params, request_id)
+        generator = self.engine.generate(prompt, params, request_id, priority=priority)
         try:
             async for output in generator:
                 finished = output.finished
