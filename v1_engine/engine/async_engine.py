@@ -23,7 +23,7 @@ from typing_extensions import Self
 from v1_engine.config import EngineConfig, ModelConfig
 from v1_engine.engine.core_client import DEFAULT_STARTUP_TIMEOUT_S, EngineCoreProcClient
 from v1_engine.engine.exceptions import EngineDeadError
-from v1_engine.engine.input_processor import ChatMessages, InputProcessor, PromptType
+from v1_engine.engine.input_processor import ChatMessages, ChatOptions, InputProcessor, PromptType
 from v1_engine.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
 from v1_engine.engine.prepare import prepare_engine_config
 from v1_engine.metrics.base import StatLoggerBase
@@ -131,14 +131,9 @@ class AsyncEngine:
         `tools`, OpenAI function tools, for templates that render them; LLM.chat says what the
         other options do)."""
         self._raise_if_dead()
-        prompt_text, token_ids = self.input_processor.chat_token_ids(
-            messages,
-            add_generation_prompt,
-            tools,
-            continue_final_message,
-            chat_template_kwargs,
-            chat_template,
-        )
+        options = ChatOptions(add_generation_prompt, tools, continue_final_message,
+                              chat_template_kwargs, chat_template)  # fmt: skip
+        prompt_text, token_ids = self.input_processor.chat_token_ids(messages, options)
         outputs = self._generate(prompt_text, token_ids, sampling_params, request_id, priority)
         async with contextlib.aclosing(outputs):  # closing us must close it (and abort) now
             async for output in outputs:

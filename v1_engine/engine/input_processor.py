@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -51,12 +52,54 @@ def check_chat_template(text: str) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation is rendered (LLM.chat, AsyncEngine.chat and the chat API take them)."""
+
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI function tools, for templates that render them."""
+    continue_final_message: bool = False
+    """Leave the last (assistant) message open (needs add_generation_prompt False)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra template variables."""
+    chat_template: str | None = None
+    """A Jinja template replacing the model's for this conversation."""
+
+
+CHAT_DEFAULTS = ChatOptions()
+
+
+class NoChatTemplateError(ValueError):
+    """The model has no chat template and none was given."""
+
+
 class ChatFieldError(ValueError):
     """A chat option that cannot hold; `field` names it."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field} {message}")
         self.field = field
+
+
+def _check_tools(tools: list[dict[str, Any]] | None) -> None:
+    """ValueError naming the first entry of `tools` that is not an OpenAI function tool."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise ValueError(f"tools must be a list of function tools, got {type(tools)}")  # noqa: TRY004
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+        ):
+            raise ValueError(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                f'"parameters": {{...}}}}}}, got {tool!r}'
+            )
 
 
 def check_chat_options(
@@ -130,72 +173,49 @@ class InputProcessor:
             return None, list(prompt)
         raise ValueError("prompt must be a non-empty str or a list of token ids (int)")
 
-    def render_chat(
-        self,
-        messages: ChatMessages,
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        chat_template: str | None = None,
-    ) -> str:
-        """The conversation through the model's chat template (or `chat_template`, a Jinja
-        template given for this call), with `tools` (OpenAI's
-        `{"type": "function", "function": {"name", "description", "parameters"}}` entries) for
-        templates that render them and `chat_template_kwargs` (e.g. `{"enable_thinking":
-        False}`) as template variables. ValueError naming what does not fit."""
+    def render_chat(self, messages: ChatMessages, options: ChatOptions = CHAT_DEFAULTS) -> str:
+        """The conversation through the model's chat template (or `options.chat_template`),
+        with `options.tools` (OpenAI's `{"type": "function", "function": {"name",
+        "description", "parameters"}}` entries) for templates that render them and
+        `options.chat_template_kwargs` (e.g. `{"enable_thinking": False}`) as template
+        variables. ValueError naming what does not fit (ChatFieldError for an option,
+        NoChatTemplateError without a template)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message:
                 raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
-        if tools is not None:
-            if not isinstance(tools, list):
-                raise ValueError(f"tools must be a list of function tools, got {type(tools)}")
-            for i, tool in enumerate(tools):
-                function = tool.get("function") if isinstance(tool, dict) else None
-                if (
-                    not isinstance(tool, dict)
-                    or tool.get("type", "function") != "function"
-                    or not isinstance(function, dict)
-                    or not isinstance(function.get("name"), str)
-                ):
-                    raise ValueError(
-                        f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
-                        f'"parameters": {{...}}}}}}, got {tool!r}'
-                    )
+        _check_tools(options.tools)
         kwargs = check_chat_options(
-            messages, add_generation_prompt, continue_final_message, chat_template_kwargs
-        )
-        if chat_template is None and self.tokenizer.chat_template is None:
-            raise ValueError("this model has no chat template; use generate() with a prompt")
-        return self.tokenizer.apply_chat_template(
             messages,
-            chat_template=chat_template,
-            tools=tools,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            **kwargs,
+            options.add_generation_prompt,
+            options.continue_final_message,
+            options.chat_template_kwargs,
         )
+        if options.chat_template is None and self.tokenizer.chat_template is None:
+            raise NoChatTemplateError(
+                "this model has no chat template: give one (chat_template) or send a plain prompt"
+            )
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=options.chat_template,
+                tools=options.tools,
+                tokenize=False,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
+                **kwargs,
+            )
+        except (TemplateError, ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"messages could not be rendered by the chat template: {e}") from None
 
     def chat_token_ids(
-        self,
-        messages: ChatMessages,
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        chat_template: str | None = None,
+        self, messages: ChatMessages, options: ChatOptions = CHAT_DEFAULTS
     ) -> tuple[str, list[int]]:
-        text = self.render_chat(
-            messages,
-            add_generation_prompt,
-            tools,
-            continue_final_message,
-            chat_template_kwargs,
-            chat_template,
-        )
+        """The rendered conversation and its token ids."""
+        text = self.render_chat(messages, options)
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     def process(

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from v1_engine.config import EngineConfig
 from v1_engine.engine.core import EngineCore
-from v1_engine.engine.input_processor import ChatMessages, InputProcessor, PromptType
+from v1_engine.engine.input_processor import ChatMessages, ChatOptions, InputProcessor, PromptType
 from v1_engine.engine.output_processor import OutputKind, OutputProcessor, ParentRequest
 from v1_engine.engine.prepare import prepare_engine_config
 from v1_engine.models.loader import get_tokenizer
@@ -118,19 +118,12 @@ class LLM:
         `v1_engine.entrypoints.tool_parsers.parse_tool_calls(parser, text)`, reasoning with
         `v1_engine.entrypoints.reasoning_parsers.parse_reasoning(parser, text)`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        options = ChatOptions(add_generation_prompt, tools, continue_final_message,
+                              chat_template_kwargs, chat_template)  # fmt: skip
         tokenized = []
         for i, conversation in enumerate(conversations):
             try:
-                tokenized.append(
-                    self.input_processor.chat_token_ids(
-                        conversation,
-                        add_generation_prompt,
-                        tools,
-                        continue_final_message,
-                        chat_template_kwargs,
-                        chat_template,
-                    )
-                )
+                tokenized.append(self.input_processor.chat_token_ids(conversation, options))
             except ValueError as e:
                 raise ValueError(f"messages[{i}]: {e}") from None
         return self._run(tokenized, sampling_params, use_tqdm)

@@ -191,13 +191,7 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
         served.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             messages = [m.flat() for m in body.messages]
-            tokens = served.render_chat(
-                messages,
-                body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                chat_template_kwargs=body.chat_template_kwargs,
-                chat_template=body.chat_template,
-            )
+            tokens = served.render_chat(messages, body.chat_options())
         else:
             tokens = served.tokenize_prompt(body.prompt, body.add_special_tokens)
         return TokenizeResponse(

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from v1_engine.engine.input_processor import ChatOptions
 from v1_engine.sampling_params import SamplingParams
 from v1_engine.structured_output import StructuredOutputsParams
 
@@ -309,13 +310,9 @@ class NamedToolChoice(StrictModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    """Deprecated by OpenAI in favour of max_completion_tokens; both are accepted."""
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+class ChatTemplateFields(StrictModel):
+    """How a chat request's conversation is rendered (chat completions and /tokenize)."""
+
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     """Render the last (assistant) message open for the model to continue (needs
@@ -325,6 +322,24 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     """A Jinja chat template for this request instead of the model's (refused unless the server
     runs with --trust-request-chat-template)."""
+
+    def chat_options(self, tools: list[dict[str, Any]] | None = None) -> ChatOptions:
+        return ChatOptions(
+            self.add_generation_prompt,
+            tools,
+            self.continue_final_message,
+            self.chat_template_kwargs,
+            self.chat_template,
+        )
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    """Deprecated by OpenAI in favour of max_completion_tokens; both are accepted."""
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
     include_reasoning: bool = True
     """With a reasoning parser: false leaves `reasoning_content` out (the answer is the same)."""
     tools: list[ChatTool] | None = None
@@ -513,13 +528,9 @@ class TokenizeCompletionRequest(StrictModel):
     add_special_tokens: bool = True
 
 
-class TokenizeChatRequest(StrictModel):
+class TokenizeChatRequest(ChatTemplateFields):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    chat_template: str | None = None
 
 
 class TokenizeResponse(ResponseModel):

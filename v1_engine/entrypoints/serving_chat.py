@@ -135,14 +135,7 @@ class OpenAIServingChat(OpenAIServing):
     def _prepare(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         messages = [m.flat() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        token_ids = self.render_chat(
-            messages,
-            body.add_generation_prompt,
-            tools,
-            body.continue_final_message,
-            body.chat_template_kwargs,
-            body.chat_template,
-        )
+        token_ids = self.render_chat(messages, body.chat_options(tools))
         field_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         max_tokens = self.resolve_max_tokens(
             len(token_ids), body.requested_max_tokens(), field_name

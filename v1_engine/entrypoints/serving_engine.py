@@ -16,12 +16,12 @@ from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
-from jinja2 import TemplateError
 
 from v1_engine.engine.exceptions import EngineDeadError
 from v1_engine.engine.input_processor import (
     ChatFieldError,
-    check_chat_options,
+    ChatOptions,
+    NoChatTemplateError,
     check_chat_template,
 )
 from v1_engine.entrypoints.errors import APIError, from_value_error
@@ -127,43 +127,23 @@ class OpenAIServing:
         if bad:
             raise APIError(f"{field} must be token ids in [0, {vocab}), got {bad[:5]}", param=field)
 
-    def render_chat(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool,
-        tools: list[dict[str, Any]] | None = None,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        chat_template: str | None = None,
-    ) -> list[int]:
-        """The conversation through the model's chat template, or the request's own
-        `chat_template` where the server trusts those (with the tools, for templates that
-        render them; others ignore them), `chat_template_kwargs` as template variables."""
+    def render_chat(self, messages: list[dict[str, Any]], options: ChatOptions) -> list[int]:
+        """The conversation's token ids through the model's chat template, or the request's
+        own `chat_template` where the server trusts those (InputProcessor.render_chat); a 400
+        naming the field that does not fit."""
+        if options.chat_template is not None:
+            self._check_request_template(options.chat_template)
         try:
-            kwargs = check_chat_options(
-                messages, add_generation_prompt, continue_final_message, chat_template_kwargs
-            )
+            _, token_ids = self.engine.input_processor.chat_token_ids(messages, options)
         except ChatFieldError as e:
             raise APIError(str(e), param=e.field) from None
-        if chat_template is not None:
-            self._check_request_template(chat_template)
-        elif getattr(self.tokenizer, "chat_template", None) is None:
-            raise APIError("this model has no chat template; use /v1/completions", param="messages")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                chat_template=chat_template,
-                tools=tools,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **kwargs,
-            )
-        except (TemplateError, ValueError, TypeError, KeyError) as e:
+        except NoChatTemplateError:
             raise APIError(
-                f"messages could not be rendered by the chat template: {e}", param="messages"
+                "this model has no chat template; use /v1/completions", param="messages"
             ) from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
+        return token_ids
 
     def _check_request_template(self, chat_template: str) -> None:
         """A request's own chat template: refused unless the server trusts those (rendering
