@@ -6,6 +6,11 @@ input/output lengths. Prompts are token-id lists cut from tokenized text, so eve
 exactly the input length asked for; `ignore_eos` makes it generate exactly its output length.
 A PNG of the latency distributions is written next to the printed table.
 
+With `--urgent-fraction F` a random F of the requests is urgent: sent with `priority` -1 (the
+others 0) for a server started with `--scheduling-policy priority`, and the latencies of both
+groups are reported apart; `--no-send-priority` keeps the same split but sends no priority (the
+same workload against an fcfs server, for comparison).
+
     v1serve &                                   # default model on 127.0.0.1:8000
     python benchmarks/benchmark_serving.py --num-prompts 64 --request-rate 4 \
         --input-len 128 --output-len 64 --plot benchmarks/serving_latency.png
@@ -42,12 +47,14 @@ class RequestResult:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    urgent: bool = False
 
 
 @dataclass
 class Request:
     prompt: list[int]
     output_len: int
+    urgent: bool = False
 
 
 async def make_requests(client: httpx.AsyncClient, args: argparse.Namespace) -> list[Request]:
@@ -61,7 +68,8 @@ async def make_requests(client: httpx.AsyncClient, args: argparse.Namespace) -> 
         input_len = _sample_len(rng, args.input_len, args.range_ratio)
         output_len = _sample_len(rng, args.output_len, args.range_ratio)
         start = rng.randrange(0, len(pool) - input_len)
-        requests.append(Request(pool[start : start + input_len], output_len))
+        urgent = rng.random() < args.urgent_fraction
+        requests.append(Request(pool[start : start + input_len], output_len, urgent))
     return requests
 
 
@@ -80,7 +88,9 @@ def arrival_gaps(args: argparse.Namespace) -> list[float]:
     return list(rng.exponential(1.0 / args.request_rate, size=args.num_prompts))
 
 
-async def send(client: httpx.AsyncClient, model: str, request: Request) -> RequestResult:
+async def send(
+    client: httpx.AsyncClient, model: str, request: Request, send_priority: bool = False
+) -> RequestResult:
     body = {
         "model": model,
         "prompt": request.prompt,
@@ -90,7 +100,9 @@ async def send(client: httpx.AsyncClient, model: str, request: Request) -> Reque
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    result = RequestResult(ok=False, input_len=len(request.prompt))
+    if send_priority and request.urgent:
+        body["priority"] = -1
+    result = RequestResult(ok=False, input_len=len(request.prompt), urgent=request.urgent)
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -132,7 +144,7 @@ async def run(args: argparse.Namespace) -> tuple[list[RequestResult], float]:
 
         async def limited(request: Request) -> RequestResult:
             async with semaphore:
-                return await send(client, model, request)
+                return await send(client, model, request, args.send_priority)
 
         tasks = []
         start = time.perf_counter()
@@ -166,6 +178,15 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, float]
             summary[f"mean_{name}_ms"] = float(values.mean())
             summary[f"p50_{name}_ms"] = float(np.percentile(values, 50))
             summary[f"p99_{name}_ms"] = float(np.percentile(values, 99))
+    if any(r.urgent for r in done):
+        for group, urgent in (("urgent", True), ("normal", False)):
+            members = [r for r in done if r.urgent == urgent]
+            summary[f"{group}_requests"] = len(members)
+            for name in ("ttft", "e2e"):
+                values = np.array([getattr(r, name) for r in members]) * ms
+                if len(values):
+                    summary[f"{group}_p50_{name}_ms"] = float(np.percentile(values, 50))
+                    summary[f"{group}_p99_{name}_ms"] = float(np.percentile(values, 99))
     return summary
 
 
@@ -239,6 +260,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--urgent-fraction",
+        type=float,
+        default=0.0,
+        help="this fraction of the requests is urgent (priority -1; the rest 0), its latencies "
+        "reported apart",
+    )
+    p.add_argument(
+        "--send-priority",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send the urgent requests' priority (off: the same split for an fcfs server)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--plot", default="serving_latency.png", help="PNG of latency distributions")
     p.add_argument("--save-json", default=None, help="write the summary and arguments here")
@@ -247,6 +281,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
     if args.request_rate <= 0:
         p.error(f"--request-rate must be > 0, got {args.request_rate}")
+    if not 0.0 <= args.urgent_fraction <= 1.0:
+        p.error(f"--urgent-fraction must be in [0, 1], got {args.urgent_fraction}")
     return args
 
 
