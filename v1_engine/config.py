@@ -158,6 +158,9 @@ class CacheConfig:
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""The server's log lines (the engine core process marks its own with [core])."""
+
 
 @dataclass
 class SchedulerConfig:

@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from v1_engine.config import EngineConfig
+from v1_engine.config import LOG_FORMAT, EngineConfig
 from v1_engine.protocol import (
     AbortRequests,
     AddRequest,
@@ -88,7 +88,7 @@ def run_engine_core(
     A startup failure is reported over the handshake and the process exits with code 1; a
     failure of the busy loop is reported as EngineCoreFailed and also exits with code 1.
     """
-    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s [core] %(message)s")
+    logging.basicConfig(level=log_level, format=LOG_FORMAT.replace("%(name)s", "%(name)s [core]"))
     _install_signal_handlers()
     context = zmq.Context()
     input_socket = context.socket(zmq.DEALER)

@@ -253,6 +253,12 @@ def startup_banner(host: str, port: int, model: str, api_key: str | None) -> lis
     return [f"v1serve ready at {url} (model {model!r}); API docs at {url}/docs", f"try: {curl}"]
 
 
+def _name_uvicorn(record: logging.LogRecord) -> bool:
+    """uvicorn logs its start and stop lines as "uvicorn.error": name them "uvicorn"."""
+    record.name = "uvicorn"
+    return True
+
+
 async def serve(
     engine_factory: Callable[[list[Any]], Any],
     model_name: str,
@@ -286,7 +292,9 @@ async def serve(
             log_level=log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
             access_log=log_level == "debug",
+            log_config=None,  # uvicorn's lines through the root logger, in the server's format
         )
+        logging.getLogger("uvicorn.error").addFilter(_name_uvicorn)
         server = uvicorn.Server(config)
 
         def on_dead() -> None:

@@ -19,6 +19,7 @@ from v1_engine.config import (
     KV_CACHE_DTYPE_CHOICES,
     LM_HEAD_QUANTIZATION_CHOICES,
     LOAD_FORMAT_CHOICES,
+    LOG_FORMAT,
     QUANTIZATION_CHOICES,
     SCHEDULING_POLICIES,
 )
@@ -373,7 +374,7 @@ def run_server(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     if argv and argv[0] == "chat-demo":
         from v1_engine.entrypoints import demo
 
