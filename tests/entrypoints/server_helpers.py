@@ -32,16 +32,21 @@ class Server:
     port: int
     log_path: Path
     api_key: str | None
+    scheme: str = "http"
+    """"https" for a server started with --ssl-certfile (probed without verifying its cert)."""
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.get(f"{self.url}{path}", verify=self.scheme == "http", **kwargs)
+
     def metrics(self) -> dict[str, float]:
-        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10).text)
+        return parse_metrics(self.get("/metrics", timeout=10).text)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -92,7 +97,8 @@ def start_server(*extra_args: str, api_key: str | None = API_KEY) -> Server:
         process = subprocess.Popen(
             args, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    server = Server(process, port, log, api_key)
+    scheme = "https" if "--ssl-certfile" in extra_args else "http"
+    server = Server(process, port, log, api_key, scheme)
     wait_healthy(server)
     return server
 
@@ -114,7 +120,7 @@ def wait_healthy(server: Server) -> None:
         if server.process.poll() is not None:
             pytest.fail(f"v1serve exited with {server.process.returncode}:\n{server.log()}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+            if server.get("/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

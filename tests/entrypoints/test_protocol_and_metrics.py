@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from v1_engine.entrypoints.api_server import startup_banner
-from v1_engine.entrypoints.cli import engine_kwargs, make_parser
+from v1_engine.entrypoints.cli import engine_kwargs, main, make_parser, server_options
 from v1_engine.entrypoints.errors import error_body, from_value_error, validation_error
 from v1_engine.entrypoints.protocol_openai import ChatCompletionRequest, CompletionRequest
 from v1_engine.metrics.prometheus import PrometheusStatLogger
@@ -167,6 +167,31 @@ def test_startup_banner_has_pasteable_curl():
     assert "http://127.0.0.1:8123" in url_line
     assert curl_line.startswith("try: curl http://127.0.0.1:8123/v1/chat/completions")
     assert "'Authorization: Bearer k'" in curl_line and '"model": "m"' in curl_line
+    url_line, curl_line = startup_banner("0.0.0.0", 8123, "m", None, "https", "/llm/")
+    assert "https://127.0.0.1:8123/llm " in url_line
+    assert curl_line.startswith("try: curl https://127.0.0.1:8123/llm/v1/chat/completions")
+
+
+def test_server_flags_reach_the_server_options(monkeypatch):
+    monkeypatch.delenv("V1ENGINE_API_KEY", raising=False)
+    defaults = server_options(make_parser().parse_args([]))
+    assert defaults.allowed_origins == [] and defaults.scheme == "http" and not defaults.api_key
+    flags = ["--allowed-origins", '["https://a.example", "*"]', "--root-path", "/llm",
+             "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--reasoning-parser", "qwen3",
+             "--trust-request-chat-template", "--block-size", "32", "--num-kv-blocks", "100"]  # fmt: skip
+    args = make_parser().parse_args(flags)
+    options = server_options(args)
+    assert options.allowed_origins == ["https://a.example", "*"] and options.root_path == "/llm"
+    assert options.scheme == "https" and options.ssl_keyfile == "k.pem"
+    assert options.reasoning_parser == "qwen3" and options.trust_request_chat_template
+    assert engine_kwargs(args)["block_size"] == 32 and engine_kwargs(args)["num_kv_blocks"] == 100
+    monkeypatch.setenv("V1ENGINE_API_KEY", "from-env")
+    assert server_options(make_parser().parse_args([])).api_key == "from-env"
+    for bad in (["--allowed-origins", "https://a.example"], ["--allowed-origins", "[1]"]):
+        with pytest.raises(SystemExit):
+            make_parser().parse_args(bad)
+    with pytest.raises(SystemExit):
+        main(["--ssl-keyfile", "k.pem"])  # without the certificate
 
 
 def _output(request_id, token_ids, finish=None, metrics=None, prompt_len=5, index=0):

@@ -16,12 +16,13 @@ import secrets
 import shlex
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 import v1_engine
@@ -52,6 +53,33 @@ GRACEFUL_SHUTDOWN_S = 5
 
 
 @dataclass
+class ServerOptions:
+    """How v1serve serves (its server flags; the engine's settings live in EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    log_level: str = "info"
+    tool_call_parser: str | None = None
+    """Reads the calls of tool_choice "auto" (tool_parsers.TOOL_PARSERS); None refuses it."""
+    reasoning_parser: str | None = None
+    """Splits the reasoning off (reasoning_parsers.REASONING_PARSERS)."""
+    trust_request_chat_template: bool = False
+    """Lets chat and /tokenize requests bring their own chat template."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """Browser origins allowed cross-origin requests (CORS; "*" for any); none by default."""
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    """With both: HTTPS."""
+    root_path: str = ""
+    """The path prefix a proxy serves the app under (ASGI root_path)."""
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
+
+
+@dataclass
 class ServerState:
     engine: Any
     stat_logger: PrometheusStatLogger | None
@@ -65,34 +93,40 @@ class ServerState:
 def build_app(
     engine: Any,
     stat_logger: PrometheusStatLogger | None = None,
-    api_key: str | None = None,
-    tool_call_parser: str | None = None,
-    reasoning_parser: str | None = None,
-    trust_request_chat_template: bool = False,
+    options: ServerOptions | None = None,
 ) -> FastAPI:
-    """A FastAPI app serving `engine`; the model name and context length come from its config;
-    `tool_call_parser` (tool_parsers.TOOL_PARSERS) enables tool_choice "auto";
-    `reasoning_parser` (reasoning_parsers.REASONING_PARSERS) splits off the reasoning;
-    `trust_request_chat_template` lets chat and /tokenize requests bring a chat template."""
-    trusted = trust_request_chat_template
+    """A FastAPI app serving `engine` as `options` say; the model name and context length come
+    from the engine's config."""
+    options = options or ServerOptions()
+    trusted = options.trust_request_chat_template
     mc = engine.config.model_config
     name, max_len = mc.served_model_name or str(mc.model), int(mc.max_model_len)
+    parsers = (options.tool_call_parser, options.reasoning_parser)
     state = ServerState(
         engine=engine,
         stat_logger=stat_logger,
         completion=OpenAIServingCompletion(engine, name, max_len),
-        chat=OpenAIServingChat(engine, name, max_len, tool_call_parser, reasoning_parser, trusted),
+        chat=OpenAIServingChat(engine, name, max_len, *parsers, trusted),
         tokens=OpenAIServing(engine, name, max_len, trusted),
-        api_key=api_key or None,
+        api_key=options.api_key or None,
     )
     app = FastAPI(
         title="v1serve",
         version=v1_engine.__version__,
         description="OpenAI-compatible API of v1engine.",
+        root_path=options.root_path,
     )
     app.state.server = state
     install_error_handlers(app)
     _install_middleware(app, state)
+    if options.allowed_origins:  # outermost: preflights are answered before the key check
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=options.allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id"],
+        )
     _add_info_routes(app, state)
     _add_generation_routes(app, state)
     _add_token_routes(app, state)
@@ -235,12 +269,14 @@ async def watch_engine(state: ServerState, on_dead) -> None:
             return
 
 
-def startup_banner(host: str, port: int, model: str, api_key: str | None) -> list[str]:
+def startup_banner(
+    host: str, port: int, model: str, api_key: str | None, scheme: str = "http", root_path: str = ""
+) -> list[str]:
     """The lines logged once the server listens: the URL and a curl command that works as is."""
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
     if ":" in shown_host:
         shown_host = f"[{shown_host}]"
-    url = f"http://{shown_host}:{port}"
+    url = f"{scheme}://{shown_host}:{port}{root_path.rstrip('/')}"
     body = (
         f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], '
         f'"max_tokens": 32}}'
@@ -260,39 +296,26 @@ def _name_uvicorn(record: logging.LogRecord) -> bool:
 
 
 async def serve(
-    engine_factory: Callable[[list[Any]], Any],
-    model_name: str,
-    host: str,
-    port: int,
-    api_key: str | None = None,
-    log_level: str = "info",
-    tool_call_parser: str | None = None,
-    reasoning_parser: str | None = None,
-    trust_request_chat_template: bool = False,
+    engine_factory: Callable[[list[Any]], Any], model_name: str, options: ServerOptions
 ) -> int:
     """Build the engine, serve until stopped, and return the process exit code: 0 on a normal
     shutdown (SIGINT/SIGTERM), 1 if the engine core died."""
     stat_logger = PrometheusStatLogger(model_name)
     engine = engine_factory([stat_logger])
     try:
-        app = build_app(
-            engine,
-            stat_logger,
-            api_key,
-            tool_call_parser,
-            reasoning_parser,
-            trust_request_chat_template,
-        )
+        app = build_app(engine, stat_logger, options)
         state: ServerState = app.state.server
         state.engine_dead = asyncio.Event()
         config = uvicorn.Config(
             app,
-            host=host,
-            port=port,
-            log_level=log_level,
+            host=options.host,
+            port=options.port,
+            log_level=options.log_level,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-            access_log=log_level == "debug",
+            access_log=options.log_level == "debug",
             log_config=None,  # uvicorn's lines through the root logger, in the server's format
+            ssl_keyfile=options.ssl_keyfile,
+            ssl_certfile=options.ssl_certfile,
         )
         logging.getLogger("uvicorn.error").addFilter(_name_uvicorn)
         server = uvicorn.Server(config)
@@ -302,7 +325,7 @@ async def serve(
 
         tasks = [
             asyncio.create_task(watch_engine(state, on_dead)),
-            asyncio.create_task(_log_when_started(server, host, model_name, api_key)),
+            asyncio.create_task(_log_when_started(server, model_name, options)),
             asyncio.create_task(_tick_stat_loggers(engine)),
         ]
         try:
@@ -324,9 +347,10 @@ async def _tick_stat_loggers(engine: Any, period_s: float = 1.0) -> None:
         tick()
 
 
-async def _log_when_started(server: Any, host: str, model: str, api_key: str | None) -> None:
+async def _log_when_started(server: Any, model: str, options: ServerOptions) -> None:
     while not server.started:
         await asyncio.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
-    for line in startup_banner(host, port, model, api_key):
+    o = options
+    for line in startup_banner(o.host, port, model, o.api_key, o.scheme, o.root_path):
         logger.info(line)

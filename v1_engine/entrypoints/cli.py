@@ -63,6 +63,24 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     group.add_argument(
+        "--ssl-keyfile",
+        default=None,
+        help="TLS private key file: serve HTTPS (with --ssl-certfile)",
+    )
+    group.add_argument("--ssl-certfile", default=None, help="TLS certificate file (PEM)")
+    group.add_argument(
+        "--allowed-origins",
+        type=json_list,
+        default=[],
+        help="browser origins allowed cross-origin requests (CORS), a JSON list such as "
+        "'[\"https://app.example.com\"]' or '[\"*\"]' (default: none)",
+    )
+    group.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a reverse proxy serves the API under, e.g. /llm (default: none)",
+    )
+    group.add_argument(
         "--api-key",
         default=None,
         help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set, "
@@ -171,6 +189,19 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="fraction of GPU memory for weights, activations and KV cache (default: 0.9)",
     )
     group.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per KV-cache block (default: 16; 64 for MLA models)",
+    )
+    group.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV-cache blocks to allocate instead of sizing the pool from free memory "
+        "(vLLM's --num-gpu-blocks-override)",
+    )
+    group.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPE_CHOICES,
@@ -270,6 +301,17 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def json_list(text: str) -> list[str]:
+    """--allowed-origins: a JSON list of strings."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
+    return value
+
+
 def compilation_value(text: str) -> int | dict[str, Any]:
     """-O / --compilation-config: an int level, or a JSON object of CompilationConfig fields."""
     text = text.strip()
@@ -306,6 +348,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     optional = (
         "tokenizer",
         "max_logprobs",
+        "block_size",
+        "num_kv_blocks",
         "max_model_len",
         "max_num_seqs",
         "max_num_batched_tokens",
@@ -346,7 +390,6 @@ def run_server(args: argparse.Namespace) -> int:
 
     from v1_engine.entrypoints.api_server import serve
 
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     kwargs = engine_kwargs(args)
 
     def make_engine(stat_loggers: list[Any]) -> Any:
@@ -357,18 +400,25 @@ def run_server(args: argparse.Namespace) -> int:
             engine.get_tokenizer().chat_template = load_chat_template(args.chat_template)
         return engine
 
-    return uvloop.run(
-        serve(
-            make_engine,
-            kwargs["served_model_name"],
-            args.host,
-            args.port,
-            api_key,
-            args.log_level,
-            args.tool_call_parser,
-            args.reasoning_parser,
-            args.trust_request_chat_template,
-        )
+    return uvloop.run(serve(make_engine, kwargs["served_model_name"], server_options(args)))
+
+
+def server_options(args: argparse.Namespace) -> Any:
+    """The api_server.ServerOptions of the parsed flags."""
+    from v1_engine.entrypoints.api_server import ServerOptions
+
+    return ServerOptions(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
+        allowed_origins=args.allowed_origins,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        root_path=args.root_path,
     )
 
 
@@ -393,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
         generation_config_folder(args.generation_config, "")
     except ValueError as e:
         parser.error(f"--generation-config: {e}")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        parser.error("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
     if args.log_stats_interval <= 0:
         parser.error(f"--log-stats-interval must be > 0, got {args.log_stats_interval}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
