@@ -1,13 +1,15 @@
 """Engine options through the server: --generation-config (a request's unset sampling fields
 take the generation_config.json's values; tests/engine/test_generation_config.py has the engine
-side) and --scheduling-policy priority (the `priority` field accepted; the fcfs refusal is in
-test_server_errors.py)."""
+side), --scheduling-policy priority (the `priority` field accepted; the fcfs refusal is in
+test_server_errors.py) and --enable-log-requests (a line at a request's arrival and end)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 
+import httpx
 import openai
 import pytest
 from server_helpers import API_KEY, running_server
@@ -22,7 +24,7 @@ def server(tmp_path_factory):
         json.dumps({"eos_token_id": 2, "temperature": 0.0, "max_new_tokens": 5})
     )
     with running_server("--generation-config", str(folder), "--scheduling-policy", "priority",
-                        "--max-num-seqs", "2") as s:  # fmt: skip
+                        "--max-num-seqs", "2", "--enable-log-requests") as s:  # fmt: skip
         yield s
 
 
@@ -64,3 +66,17 @@ def test_priorities_are_served_under_the_priority_policy(server):
     replies, text = asyncio.run(run())
     assert len({r.choices[0].message.content for r in replies}) == 1
     assert all(r.usage.completion_tokens == 4 for r in replies) and text
+
+
+def test_requests_are_logged_at_arrival_and_end(server):
+    body = {"prompt": "Red, green and", "max_tokens": 4, "temperature": 0.0, "priority": 2}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    assert response.status_code == 200, response.text
+    request_id = response.headers["x-request-id"]
+    prompt_tokens = response.json()["usage"]["prompt_tokens"]
+    log = server.log()
+    arrival = re.search(rf"request {request_id}: (\d+) prompt tokens, (\{{.*\}}), priority 2", log)
+    assert arrival and int(arrival.group(1)) == prompt_tokens
+    assert json.loads(arrival.group(2))["max_tokens"] == 4
+    assert f"request {request_id} finished (length): 4 output tokens in " in log

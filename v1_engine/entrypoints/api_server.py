@@ -16,7 +16,7 @@ import secrets
 import shlex
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -41,7 +41,7 @@ from v1_engine.entrypoints.protocol_openai import (
 )
 from v1_engine.entrypoints.serving_chat import OpenAIServingChat
 from v1_engine.entrypoints.serving_completion import OpenAIServingCompletion
-from v1_engine.entrypoints.serving_engine import OpenAIServing
+from v1_engine.entrypoints.serving_engine import OpenAIServing, ServerOptions
 from v1_engine.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
@@ -50,33 +50,6 @@ _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 WATCHDOG_INTERVAL_S = 0.5
 GRACEFUL_SHUTDOWN_S = 5
 """After the engine dies, how long uvicorn waits for open connections before closing them."""
-
-
-@dataclass
-class ServerOptions:
-    """How v1serve serves (its server flags; the engine's settings live in EngineConfig)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    log_level: str = "info"
-    tool_call_parser: str | None = None
-    """Reads the calls of tool_choice "auto" (tool_parsers.TOOL_PARSERS); None refuses it."""
-    reasoning_parser: str | None = None
-    """Splits the reasoning off (reasoning_parsers.REASONING_PARSERS)."""
-    trust_request_chat_template: bool = False
-    """Lets chat and /tokenize requests bring their own chat template."""
-    allowed_origins: list[str] = field(default_factory=list)
-    """Browser origins allowed cross-origin requests (CORS; "*" for any); none by default."""
-    ssl_keyfile: str | None = None
-    ssl_certfile: str | None = None
-    """With both: HTTPS."""
-    root_path: str = ""
-    """The path prefix a proxy serves the app under (ASGI root_path)."""
-
-    @property
-    def scheme(self) -> str:
-        return "https" if self.ssl_certfile else "http"
 
 
 @dataclass
@@ -98,16 +71,12 @@ def build_app(
     """A FastAPI app serving `engine` as `options` say; the model name and context length come
     from the engine's config."""
     options = options or ServerOptions()
-    trusted = options.trust_request_chat_template
-    mc = engine.config.model_config
-    name, max_len = mc.served_model_name or str(mc.model), int(mc.max_model_len)
-    parsers = (options.tool_call_parser, options.reasoning_parser)
     state = ServerState(
         engine=engine,
         stat_logger=stat_logger,
-        completion=OpenAIServingCompletion(engine, name, max_len),
-        chat=OpenAIServingChat(engine, name, max_len, *parsers, trusted),
-        tokens=OpenAIServing(engine, name, max_len, trusted),
+        completion=OpenAIServingCompletion(engine, options),
+        chat=OpenAIServingChat(engine, options),
+        tokens=OpenAIServing(engine, options),
         api_key=options.api_key or None,
     )
     app = FastAPI(

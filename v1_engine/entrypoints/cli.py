@@ -76,6 +76,12 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
         "'[\"https://app.example.com\"]' or '[\"*\"]' (default: none)",
     )
     group.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request at INFO: its arrival (prompt tokens, sampling parameters) and its "
+        "end (finish reason, output tokens, seconds)",
+    )
+    group.add_argument(
         "--root-path",
         default="",
         help="the path prefix a reverse proxy serves the API under, e.g. /llm (default: none)",
@@ -404,8 +410,8 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def server_options(args: argparse.Namespace) -> Any:
-    """The api_server.ServerOptions of the parsed flags."""
-    from v1_engine.entrypoints.api_server import ServerOptions
+    """The ServerOptions of the parsed flags."""
+    from v1_engine.entrypoints.serving_engine import ServerOptions
 
     return ServerOptions(
         host=args.host,
@@ -419,6 +425,7 @@ def server_options(args: argparse.Namespace) -> Any:
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         root_path=args.root_path,
+        log_requests=args.enable_log_requests,
     )
 
 

@@ -45,6 +45,7 @@ from v1_engine.entrypoints.reasoning_parsers import (
 from v1_engine.entrypoints.serving_engine import (
     SSE_DONE,
     OpenAIServing,
+    ServerOptions,
     run_unless_disconnected,
     sse,
 )
@@ -99,19 +100,11 @@ class ChatUsage:
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(
-        self,
-        engine: Any,
-        served_model_name: str,
-        max_model_len: int,
-        tool_call_parser: str | None = None,
-        reasoning_parser: str | None = None,
-        trust_request_chat_template: bool = False,
-    ) -> None:
-        super().__init__(engine, served_model_name, max_model_len, trust_request_chat_template)
-        self.tool_call_parser = tool_call_parser
+    def __init__(self, engine: Any, options: ServerOptions | None = None) -> None:
+        super().__init__(engine, options)
+        self.tool_call_parser = self.options.tool_call_parser
         """Reads the calls of tool_choice "auto" (tool_parsers.TOOL_PARSERS); None refuses it."""
-        self.reasoning_parser = reasoning_parser
+        self.reasoning_parser = self.options.reasoning_parser
         """Splits the reasoning off (reasoning_parsers.REASONING_PARSERS); None: no split."""
 
     async def create(self, body: ChatCompletionRequest, request: Request, request_id: str):

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, TypeVar
 
 import anyio
+import msgspec
 from fastapi import Request
 
 from v1_engine.engine.exceptions import EngineDeadError
@@ -29,6 +33,7 @@ from v1_engine.outputs import RequestOutput
 from v1_engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 SAMPLING_FIELDS = {
     "n",
@@ -63,22 +68,45 @@ SAMPLING_FIELDS = {
 }
 
 
+@dataclass
+class ServerOptions:
+    """How v1serve serves (its server flags; the engine's settings live in EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    log_level: str = "info"
+    tool_call_parser: str | None = None
+    """Reads the calls of tool_choice "auto" (tool_parsers.TOOL_PARSERS); None refuses it."""
+    reasoning_parser: str | None = None
+    """Splits the reasoning off (reasoning_parsers.REASONING_PARSERS)."""
+    trust_request_chat_template: bool = False
+    """Lets chat and /tokenize requests bring their own chat template."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """Browser origins allowed cross-origin requests (CORS; "*" for any); none by default."""
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    """With both: HTTPS."""
+    root_path: str = ""
+    """The path prefix a proxy serves the app under (ASGI root_path)."""
+    log_requests: bool = False
+    """Log each request's arrival (prompt length, sampling) and end (reason, tokens, time)."""
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
+
+
 class OpenAIServing:
     """Per-server state every endpoint needs: the engine, its tokenizer and the model name."""
 
-    def __init__(
-        self,
-        engine: Any,
-        served_model_name: str,
-        max_model_len: int,
-        trust_request_chat_template: bool = False,
-    ) -> None:
+    def __init__(self, engine: Any, options: ServerOptions | None = None) -> None:
         self.engine = engine
-        self.served_model_name = served_model_name
-        self.max_model_len = max_model_len
+        self.options = options or ServerOptions()
+        mc = engine.config.model_config
+        self.served_model_name: str = mc.served_model_name or str(mc.model)
+        self.max_model_len = int(mc.max_model_len)
         self.tokenizer = engine.get_tokenizer()
-        self.trust_request_chat_template = trust_request_chat_template
-        """Whether a request may bring its own chat template (--trust-request-chat-template)."""
         processor = getattr(engine, "input_processor", None)
         self.default_sampling: dict[str, Any] = dict(processor.generation.sampling) if processor else {}  # fmt: skip
         """The model's recommended sampling: what a request leaves unset takes these."""
@@ -148,7 +176,7 @@ class OpenAIServing:
     def _check_request_template(self, chat_template: str) -> None:
         """A request's own chat template: refused unless the server trusts those (rendering
         runs the template's code in the server), and it must be Jinja text (not a path)."""
-        if not self.trust_request_chat_template:
+        if not self.options.trust_request_chat_template:
             raise APIError(
                 "chat_template in a request is refused by this server; start it with "
                 "--trust-request-chat-template to allow one",
@@ -211,10 +239,15 @@ class OpenAIServing:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the engine's delta outputs; abort the request if we stop before it finishes."""
         finished = False
+        log = (
+            _RequestLog(request_id, prompt, params, priority) if self.options.log_requests else None
+        )
         generator = self.engine.generate(prompt, params, request_id, priority=priority)
         try:
             async for output in generator:
                 finished = output.finished
+                if log is not None:
+                    log.observe(output)
                 yield output
         except ValueError as e:
             finished = True
@@ -230,6 +263,37 @@ class OpenAIServing:
                 if not finished:
                     await self.engine.abort(request_id)
                 await generator.aclose()
+            if log is not None:
+                log.end(finished)
+
+
+class _RequestLog:
+    """--enable-log-requests: one INFO line when a request arrives, one when it ends."""
+
+    def __init__(
+        self, request_id: str, prompt: list[int], params: SamplingParams, priority: int
+    ) -> None:
+        self.request_id, self.start = request_id, time.monotonic()
+        self.num_tokens, self.reasons = 0, set()
+        sampling = msgspec.json.encode(params).decode()  # the fields set, not every default
+        extra = f", priority {priority}" if priority else ""
+        logger.info("request %s: %d prompt tokens, %s%s", request_id, len(prompt), sampling, extra)
+
+    def observe(self, output: RequestOutput) -> None:
+        for completion in output.outputs:
+            self.num_tokens += len(completion.token_ids)
+            if completion.finish_reason is not None:
+                self.reasons.add(completion.finish_reason)
+
+    def end(self, finished: bool) -> None:
+        reason = "/".join(sorted(self.reasons)) if finished else "client gone"
+        logger.info(
+            "request %s finished (%s): %d output tokens in %.2f s",
+            self.request_id,
+            reason,
+            self.num_tokens,
+            time.monotonic() - self.start,
+        )
 
 
 def engine_dead_error() -> APIError:
