@@ -370,3 +370,7 @@ def test_priority_policy_runs_the_most_urgent_first(llm):
         llm.generate(prompts[:1], params, use_tqdm=False, priority=[1])
     with pytest.raises(ValueError, match="priority must hold one int per prompt"):
         llm.generate(prompts, params, use_tqdm=False, priority=[0])
+    chats = [[{"role": "user", "content": p}] for p in prompts[:2]]
+    replies = llm_by_priority.chat(chats, params, use_tqdm=False, priority=[1, 0])
+    started = sorted(range(2), key=lambda i: replies[i].metrics.first_scheduled_time)
+    assert started == [1, 0]

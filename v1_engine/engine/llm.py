@@ -92,10 +92,6 @@ class LLM:
                 tokenized.append(self.input_processor.tokenize(prompt))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
-        if priority is not None and len(priority) != len(tokenized):
-            raise ValueError(
-                f"priority must hold one int per prompt ({len(tokenized)}), got {len(priority)}"
-            )
         return self._run(tokenized, sampling_params, use_tqdm, priority)
 
     def chat(
@@ -108,13 +104,14 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {'role', 'content'}) or a list of them, through the
         model's chat template; `tools` (OpenAI function tools) reach templates that render
         them, `chat_template_kwargs` are template variables (`{"enable_thinking": False}`), and
         `continue_final_message` (with add_generation_prompt=False) lets the model continue the
         last, assistant message; `chat_template` (a Jinja template) replaces the model's for
-        this call. The output is the model's text: read calls from it with
+        this call; `priority` as in generate(). The output is the model's text: read calls with
         `v1_engine.entrypoints.tool_parsers.parse_tool_calls(parser, text)`, reasoning with
         `v1_engine.entrypoints.reasoning_parsers.parse_reasoning(parser, text)`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -126,7 +123,7 @@ class LLM:
                 tokenized.append(self.input_processor.chat_token_ids(conversation, options))
             except ValueError as e:
                 raise ValueError(f"messages[{i}]: {e}") from None
-        return self._run(tokenized, sampling_params, use_tqdm)
+        return self._run(tokenized, sampling_params, use_tqdm, priority)
 
     def _run(
         self,
@@ -136,6 +133,10 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         params_list = self._params_per_prompt(sampling_params, len(tokenized))
+        if priority is not None and len(priority) != len(tokenized):
+            raise ValueError(
+                f"priority must hold one int per prompt ({len(tokenized)}), got {len(priority)}"
+            )
         priorities = [0] * len(tokenized) if priority is None else list(priority)
         # Validate everything before adding anything: a bad prompt leaves the engine untouched.
         requests = []
