@@ -107,8 +107,9 @@ class OpenAIServing:
         self.served_model_name: str = mc.served_model_name or str(mc.model)
         self.max_model_len = int(mc.max_model_len)
         self.tokenizer = engine.get_tokenizer()
-        processor = getattr(engine, "input_processor", None)
-        self.default_sampling: dict[str, Any] = dict(processor.generation.sampling) if processor else {}  # fmt: skip
+        self.processor = engine.input_processor
+        """The engine's InputProcessor: renders chats and checks requests as the engine will."""
+        self.default_sampling: dict[str, Any] = self.processor.generation.sampling
         """The model's recommended sampling: what a request leaves unset takes these."""
 
     def check_request(self, body: Any) -> None:
@@ -116,12 +117,10 @@ class OpenAIServing:
         model name, a priority the scheduling policy uses, and stream_options only with stream
         (OpenAI's rule)."""
         self.check_model(body.model)
-        processor = getattr(self.engine, "input_processor", None)
-        if processor is not None:
-            try:
-                processor.check_priority(body.priority)
-            except ValueError as e:
-                raise APIError(str(e), param="priority") from None
+        try:
+            self.processor.check_priority(body.priority)
+        except ValueError as e:
+            raise APIError(str(e), param="priority") from None
         if body.stream_options is not None and not body.stream:
             raise APIError(
                 "stream_options is only allowed when stream is true", param="stream_options"
@@ -162,7 +161,7 @@ class OpenAIServing:
         if options.chat_template is not None:
             self._check_request_template(options.chat_template)
         try:
-            _, token_ids = self.engine.input_processor.chat_token_ids(messages, options)
+            _, token_ids = self.processor.chat_token_ids(messages, options)
         except ChatFieldError as e:
             raise APIError(str(e), param=e.field) from None
         except NoChatTemplateError:
@@ -226,11 +225,7 @@ class OpenAIServing:
         """Run the engine's own request checks now, so a bad request is a 400 even when it
         asked for a stream (once a stream has started, errors can only be SSE events)."""
         try:
-            input_processor = getattr(self.engine, "input_processor", None)
-            if input_processor is not None:
-                input_processor.validate(token_ids, params)
-            else:
-                params.verify()
+            self.processor.validate(token_ids, params)
         except ValueError as e:
             raise from_value_error(e, SAMPLING_FIELDS) from None
 
